@@ -1,0 +1,436 @@
+"""The store format (docs/FORMAT.md): manifest, dense tensors, expert records.
+
+`open_store(path)` validates a store and returns a `Store`. Nothing here computes (io/ never
+imports compute/): dense tensors come back as stored bytes or float32, records as offsets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from colibri.errors import StoreError
+
+FORMAT_NAME = "colibri-store"
+FORMAT_VERSION = 1
+RECORD_ALIGN = 4096  # records start and end on this boundary (O_DIRECT)
+TENSOR_ALIGN = 64  # tensors inside a record start on this boundary
+MANIFEST = "manifest.json"
+CHECKSUM = "xxh3_64"
+
+# qtype name -> (weights per block, bytes per block); GGML's block layouts, byte for byte
+QTYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q4_0": (32, 18),  # f16 d, 16 bytes: nibble j = weight j (low), j+16 (high)
+    "q4_1": (32, 20),  # f16 d, f16 m, 16 bytes of nibbles as q4_0
+    "q8_0": (32, 34),  # f16 d, 32 int8
+}
+BLOCK_QTYPES = ("q4_0", "q4_1", "q8_0")
+EXPERT_TENSORS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+
+def row_nbytes(qtype: str, ncols: int) -> int:
+    """Bytes of one row of `ncols` weights in `qtype`. Raises StoreError for an unknown qtype
+    or a block format whose `ncols` is not a multiple of the block size (32)."""
+    if qtype not in QTYPES:
+        raise StoreError(f"unknown qtype {qtype!r} (valid: {', '.join(QTYPES)})")
+    block, nbytes = QTYPES[qtype]
+    if ncols % block:
+        raise StoreError(f"{qtype} needs a multiple of {block} columns, got {ncols}")
+    return ncols // block * nbytes
+
+
+def tensor_nbytes(qtype: str, shape: Iterable[int]) -> int:
+    """Bytes of a row-major tensor of logical `shape` (last dim = columns) in `qtype`."""
+    shape = list(shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return rows * row_nbytes(qtype, shape[-1])
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRecord:
+    """Where one (layer, expert) record lives in the experts file.
+
+    offset, nbytes: bytes, both multiples of RECORD_ALIGN. xxh3: XXH3-64 of the whole record.
+    """
+
+    layer: int
+    expert: int
+    offset: int
+    nbytes: int
+    xxh3: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor inside an expert record: byte `offset` from the record start (a multiple of
+    TENSOR_ALIGN), `nbytes`, logical `shape` ([rows, cols] for weights, [n] for biases)."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    qtype: str
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The layout shared by every record: `qtype` of the weights, `d_model`, `d_ff` (the
+    expert's intermediate size), `record_nbytes` (a multiple of RECORD_ALIGN) and the tensors
+    by name (gate, up, down, then optional f32 gate_bias, up_bias, down_bias)."""
+
+    qtype: str
+    d_model: int
+    d_ff: int
+    record_nbytes: int
+    tensors: dict[str, TensorSpec] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, qtype: str, d_model: int, d_ff: int, biases: bool = False) -> ExpertLayout:
+        """The canonical layout: gate [d_ff, d_model], up [d_ff, d_model], down [d_model, d_ff]
+        in `qtype`, then (if `biases`) f32 gate_bias [d_ff], up_bias [d_ff], down_bias
+        [d_model]; each on a TENSOR_ALIGN boundary, the whole padded to RECORD_ALIGN."""
+        shapes: list[tuple[str, tuple[int, ...], str]] = [
+            ("gate", (d_ff, d_model), qtype),
+            ("up", (d_ff, d_model), qtype),
+            ("down", (d_model, d_ff), qtype),
+        ]
+        if biases:
+            shapes += [
+                ("gate_bias", (d_ff,), "f32"),
+                ("up_bias", (d_ff,), "f32"),
+                ("down_bias", (d_model,), "f32"),
+            ]
+        tensors, off = {}, 0
+        for name, shape, qt in shapes:
+            off = align_up(off, TENSOR_ALIGN)
+            nb = tensor_nbytes(qt, shape)
+            tensors[name] = TensorSpec(off, nb, shape, qt)
+            off += nb
+        return cls(qtype, d_model, d_ff, align_up(off, RECORD_ALIGN), tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "qtype": self.qtype,
+            "d_model": self.d_model,
+            "d_ff": self.d_ff,
+            "record_nbytes": self.record_nbytes,
+            "tensors": {
+                k: {"offset": t.offset, "nbytes": t.nbytes, "shape": list(t.shape), "qtype": q}
+                for k, t in self.tensors.items()
+                for q in [t.qtype]
+            },
+        }
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """Parse a safetensors header: returns ({name: {dtype, shape, data_offsets}}, data start).
+
+    Raises StoreError naming the file if the header is cut short or not JSON, or if a
+    tensor's data lies beyond the end of the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise StoreError(f"{path}: truncated safetensors file (no header length)")
+        (hlen,) = struct.unpack("<Q", head)
+        if 8 + hlen > size:
+            raise StoreError(f"{path}: truncated safetensors file (header of {hlen} bytes)")
+        try:
+            header = json.loads(f.read(hlen))
+        except ValueError as exc:
+            raise StoreError(f"{path}: safetensors header is not valid JSON: {exc}") from None
+    header.pop("__metadata__", None)
+    start = 8 + hlen
+    for name, info in header.items():
+        end = start + int(info["data_offsets"][1])
+        if end > size:
+            raise StoreError(
+                f"{path}: truncated: tensor {name!r} ends at byte {end}, file has {size}"
+            )
+    return header, start
+
+
+def _need(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise StoreError(f"{where}: missing field {key!r}")
+    return d[key]
+
+
+class Store:
+    """An opened, validated store (see docs/FORMAT.md). Use `open_store(path)`.
+
+    Attributes: `path`, `manifest` (dict), `config` (the checkpoint's config dict),
+    `model_type`, `layout` (ExpertLayout), `experts_path`, `records` (all ExpertRecords,
+    layer-major), `moe_layers` (sorted layer ids that have experts), `num_experts`.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = manifest
+        mpath = path / MANIFEST
+        self.config: dict[str, Any] = _need(manifest, "config", f"{mpath}")
+        self.model_type: str = _need(manifest, "model_type", f"{mpath}")
+        self.layout = _parse_layout(_need(manifest, "expert_layout", f"{mpath}"), mpath)
+        self.experts_path = path / _need(manifest, "experts_file", f"{mpath}")
+        self.dense_path = path / manifest.get("dense_file", "dense.safetensors")
+        self._dense_meta: dict[str, Any] = _need(manifest, "dense", f"{mpath}")
+        self.records: list[ExpertRecord] = _parse_records(manifest, self.layout, mpath)
+        self._index = {(r.layer, r.expert): r for r in self.records}
+        self.moe_layers: list[int] = sorted({r.layer for r in self.records})
+        self.num_experts: int = 1 + max((r.expert for r in self.records), default=-1)
+        self._check_complete(mpath)
+        self._check_experts_file()
+        self._dense_header, self._dense_start = self._check_dense_file()
+        self._dense_file: Any = None
+
+    # ---- validation ---------------------------------------------------------------------
+
+    def _check_complete(self, mpath: Path) -> None:
+        for layer in self.moe_layers:
+            have = {e for (lay, e) in self._index if lay == layer}
+            if len(have) != self.num_experts:
+                missing = sorted(set(range(self.num_experts)) - have)
+                raise StoreError(f"{mpath}: experts: layer {layer} lacks experts {missing[:8]}")
+
+    def _check_experts_file(self) -> None:
+        want = int(self.manifest.get("experts_nbytes", -1))
+        if not self.experts_path.is_file():
+            raise StoreError(f"{self.experts_path}: experts file missing")
+        size = self.experts_path.stat().st_size
+        if size != want:
+            raise StoreError(
+                f"{self.experts_path}: size {size} bytes, manifest experts_nbytes says {want}"
+                + (" (file cut short)" if size < want else "")
+            )
+        end = max((r.offset + r.nbytes for r in self.records), default=0)
+        if end > size:
+            raise StoreError(f"{self.experts_path}: records extend to byte {end}, file has {size}")
+
+    def _check_dense_file(self) -> tuple[dict[str, Any], int]:
+        if not self.dense_path.is_file():
+            raise StoreError(f"{self.dense_path}: dense file missing")
+        header, start = read_safetensors_header(self.dense_path)
+        meta = self._dense_meta
+        if set(header) != set(meta):
+            extra, missing = sorted(set(header) - set(meta)), sorted(set(meta) - set(header))
+            raise StoreError(
+                f"{self.dense_path}: tensors differ from manifest 'dense': "
+                f"missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        for name, m in meta.items():
+            qtype, shape = m.get("qtype"), list(m.get("shape", []))
+            if qtype not in QTYPES:
+                raise StoreError(f"{self.path / MANIFEST}: dense.{name}.qtype {qtype!r} unknown")
+            h = header[name]
+            if qtype in BLOCK_QTYPES:
+                want_dtype, want_shape = "U8", [*shape[:-1], row_nbytes(qtype, shape[-1])]
+            else:
+                want_dtype, want_shape = "F32", shape
+            if h["dtype"] != want_dtype or list(h["shape"]) != want_shape:
+                raise StoreError(
+                    f"{self.dense_path}: tensor {name!r} is {h['dtype']} {h['shape']}, manifest "
+                    f"({qtype} {shape}) needs {want_dtype} {want_shape}"
+                )
+        return header, start
+
+    # ---- access -------------------------------------------------------------------------
+
+    def record(self, layer: int, expert: int) -> ExpertRecord:
+        """The record of (`layer`, `expert`); KeyError if the store has none."""
+        try:
+            return self._index[(layer, expert)]
+        except KeyError:
+            raise KeyError(f"no expert record for layer {layer}, expert {expert}") from None
+
+    def dense_names(self) -> list[str]:
+        """Names of all dense (resident) tensors, HF spelling, in manifest order."""
+        return list(self._dense_meta)
+
+    def dense_qtype(self, name: str) -> str:
+        return self._dense_meta[name]["qtype"]
+
+    def dense(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        """Load dense tensor `name` (read on demand from dense.safetensors).
+
+        Returns (array, qtype, logical shape): for q4_0/q4_1/q8_0 the array is uint8
+        [rows, row_nbytes] (the GGML blocks), otherwise float32 in the logical shape.
+        KeyError for an unknown name."""
+        if name not in self._dense_meta:
+            raise KeyError(f"{self.dense_path}: no dense tensor {name!r}")
+        if self._dense_file is None:
+            from safetensors import safe_open
+
+            self._dense_file = safe_open(str(self.dense_path), framework="numpy")
+        m = self._dense_meta[name]
+        return self._dense_file.get_tensor(name), m["qtype"], tuple(m["shape"])
+
+    def verify_record(self, record: ExpertRecord, buffer: Any) -> None:
+        """Check `buffer` (the record's `nbytes` bytes, any buffer-protocol object) against
+        the record's XXH3-64. Raises StoreError naming layer, expert and offset on mismatch."""
+        got = xxhash.xxh3_64_intdigest(buffer)
+        if got != record.xxh3:
+            raise StoreError(
+                f"{self.experts_path}: checksum mismatch in layer {record.layer} expert "
+                f"{record.expert} (offset {record.offset}, {record.nbytes} bytes): "
+                f"xxh3 {got:016x}, manifest says {record.xxh3:016x}"
+            )
+
+    def verify_all(self, progress: Callable[[int], None] | None = None) -> None:
+        """Read every record and verify its checksum (sequential buffered reads).
+
+        `progress(nbytes)` is called after each record. Raises StoreError listing the bad
+        records (layer, expert) if any checksum does not match."""
+        bad: list[str] = []
+        with open(self.experts_path, "rb", buffering=0) as f:
+            buf = bytearray(self.layout.record_nbytes)
+            for r in self.records:
+                f.seek(r.offset)
+                view = memoryview(buf)[: r.nbytes]
+                n = f.readinto(view)
+                if n != r.nbytes:
+                    raise StoreError(
+                        f"{self.experts_path}: short read at layer {r.layer} expert {r.expert}"
+                    )
+                try:
+                    self.verify_record(r, view)
+                except StoreError:
+                    bad.append(f"{r.layer}/{r.expert}")
+                if progress is not None:
+                    progress(r.nbytes)
+        if bad:
+            raise StoreError(
+                f"{self.experts_path}: {len(bad)} record(s) fail their xxh3 checksum "
+                f"(layer/expert: {', '.join(bad[:10])}{' …' if len(bad) > 10 else ''})"
+            )
+
+    def close(self) -> None:
+        self._dense_file = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Store({str(self.path)!r}, {self.model_type}, {len(self.moe_layers)} MoE layers x "
+            f"{self.num_experts} experts, {self.layout.qtype})"
+        )
+
+
+def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
+    where = f"{mpath}: expert_layout"
+    try:
+        qtype, d_model, d_ff = d["qtype"], int(d["d_model"]), int(d["d_ff"])
+        rec = int(d["record_nbytes"])
+        raw = d["tensors"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(f"{where}: missing or malformed field {exc}") from None
+    if qtype not in QTYPES:
+        raise StoreError(f"{where}.qtype: unknown qtype {qtype!r}")
+    if rec <= 0 or rec % RECORD_ALIGN:
+        raise StoreError(f"{where}.record_nbytes {rec} is not a multiple of {RECORD_ALIGN}")
+    tensors: dict[str, TensorSpec] = {}
+    for name in ("gate", "up", "down"):
+        if name not in raw:
+            raise StoreError(f"{where}.tensors: missing {name!r}")
+    for name, t in raw.items():
+        w = f"{where}.tensors.{name}"
+        if name not in EXPERT_TENSORS:
+            raise StoreError(f"{w}: unknown tensor name (valid: {', '.join(EXPERT_TENSORS)})")
+        try:
+            spec = TensorSpec(int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), t["qtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{w}: missing or malformed field {exc}") from None
+        if spec.offset % TENSOR_ALIGN:
+            raise StoreError(f"{w}.offset {spec.offset} is not a multiple of {TENSOR_ALIGN}")
+        if spec.nbytes != tensor_nbytes(spec.qtype, spec.shape):
+            raise StoreError(f"{w}.nbytes {spec.nbytes} does not match {spec.qtype} {spec.shape}")
+        if spec.offset + spec.nbytes > rec:
+            raise StoreError(f"{w} ends at {spec.offset + spec.nbytes} > record_nbytes {rec}")
+        tensors[name] = spec
+    want = {
+        "gate": (d_ff, d_model),
+        "up": (d_ff, d_model),
+        "down": (d_model, d_ff),
+        "gate_bias": (d_ff,),
+        "up_bias": (d_ff,),
+        "down_bias": (d_model,),
+    }
+    for name, spec in tensors.items():
+        if spec.shape != want[name]:
+            raise StoreError(f"{where}.tensors.{name}.shape {list(spec.shape)} != {want[name]}")
+    spans = sorted((s.offset, s.offset + s.nbytes, n) for n, s in tensors.items())
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise StoreError(f"{where}.tensors: {a} and {b} overlap")
+    return ExpertLayout(qtype, d_model, d_ff, rec, tensors)
+
+
+def _parse_records(
+    manifest: dict[str, Any], layout: ExpertLayout, mpath: Path
+) -> list[ExpertRecord]:
+    if manifest.get("checksum", CHECKSUM) != CHECKSUM:
+        raise StoreError(f"{mpath}: checksum {manifest['checksum']!r} unsupported ({CHECKSUM})")
+    records: list[ExpertRecord] = []
+    seen: set[tuple[int, int]] = set()
+    prev_end = 0
+    for i, e in enumerate(_need(manifest, "experts", str(mpath))):
+        w = f"{mpath}: experts[{i}]"
+        try:
+            r = ExpertRecord(
+                int(e["layer"]), int(e["expert"]), int(e["offset"]), int(e["nbytes"]),
+                int(e["xxh3"], 16),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{w}: missing or malformed field {exc}") from None
+        if r.offset % RECORD_ALIGN:
+            raise StoreError(f"{w}.offset {r.offset} is not a multiple of {RECORD_ALIGN}")
+        if r.nbytes != layout.record_nbytes:
+            raise StoreError(f"{w}.nbytes {r.nbytes} != record_nbytes {layout.record_nbytes}")
+        if r.offset < prev_end:
+            raise StoreError(f"{w}: overlaps the previous record (records must be in order)")
+        if (r.layer, r.expert) in seen:
+            raise StoreError(f"{w}: duplicate record for layer {r.layer} expert {r.expert}")
+        seen.add((r.layer, r.expert))
+        prev_end = r.offset + r.nbytes
+        records.append(r)
+    return records
+
+
+def open_store(path: str | os.PathLike[str]) -> Store:
+    """Open and validate the store at `path` (a directory, see docs/FORMAT.md).
+
+    Checks: manifest present and JSON, format name and version, expert layout (alignment,
+    sizes, shapes), every record aligned, in order, non-overlapping and complete per layer,
+    the experts file size equal to `experts_nbytes`, and dense.safetensors' header agreeing
+    with the manifest. Checksums are verified only by `verify_record` / `verify_all`.
+    Raises StoreError naming the file and field at fault."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        raise StoreError(f"{path}: not a store directory")
+    if not mpath.is_file():
+        raise StoreError(f"{mpath}: missing (not a colibri store?)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as exc:
+        raise StoreError(f"{mpath}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise StoreError(f"{mpath}: field 'format' is not {FORMAT_NAME!r}")
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        raise StoreError(
+            f"{mpath}: store version {version!r}, this colibri reads version {FORMAT_VERSION}"
+        )
+    return Store(path, manifest)
