@@ -1,0 +1,68 @@
+"""`python -m colibri` / `colibri`: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that owns the job; that module provides
+`configure_parser(parser)` and `run_cli(args) -> int`. Errors derived from ColibriError (and
+OSError) print as one line and exit 1; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("colibri.run", "generate text from a prompt (default: the embedded demo model)"),
+    "chat": ("colibri.run", "interactive multi-turn chat using the model's chat template"),
+    "convert": ("colibri.convert", "convert a Hugging Face or GGUF checkpoint into a store"),
+    "inspect": ("colibri.inspect", "describe a store and optionally verify its checksums"),
+    "replay": ("colibri.io.replay", "replay a routing trace through the reader and cache"),
+    "selfcheck": ("colibri.compute.selfcheck", "check every kernel against its reference"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colibri", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            # not built yet in this checkout: the command says so when used
+            p.set_defaults(_module=module, _missing=True)
+            continue
+        if name == "chat" and hasattr(mod, "configure_chat_parser"):
+            mod.configure_chat_parser(p)
+            p.set_defaults(_run=mod.run_chat_cli)
+        else:
+            mod.configure_parser(p)
+            p.set_defaults(_run=mod.run_cli)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colibri.errors import ColibriError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"colibri: error: command {args.command!r} is not available in this build",
+              file=sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("\ncolibri: interrupted", file=sys.stderr)
+        return 130
+    except (ColibriError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"colibri: error: {exc}", file=sys.stderr)
+        return 1

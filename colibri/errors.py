@@ -1,0 +1,21 @@
+"""Exceptions users see. Every message names the file, tensor or field at fault."""
+
+
+class ColibriError(Exception):
+    """Base class: the CLI prints these as one line and exits non-zero."""
+
+
+class StoreError(ColibriError):
+    """A model store (or a checkpoint being converted) is missing, malformed or corrupt."""
+
+
+class ConversionError(ColibriError):
+    """A source checkpoint cannot be converted (unsupported, inconsistent or truncated)."""
+
+
+class KernelError(ColibriError):
+    """A kernel was called with arguments it cannot handle (shape, dtype, format)."""
+
+
+class ReadError(ColibriError, OSError):
+    """An expert record could not be read (names the file, offset and length)."""

@@ -1,0 +1,1 @@
+"""Getting expert records from disk into memory. Never computes; never imports compute/."""

@@ -1,0 +1,97 @@
+/* colibri.h — the C API of colibri's kernel library, and also the cffi cdef.
+ *
+ * The cdef parser understands only plain declarations: no #include, no macros, no
+ * attributes in this file. Conventions:
+ *   - outputs first, caller-allocated; kernels never allocate;
+ *   - matrices are row-major; a quantized matrix [rows, cols] is rows × row_nbytes bytes,
+ *     each row a run of GGML blocks (32 weights a block);
+ *   - int return: 0 on success, a negative CLB_E* code on bad arguments (nothing written);
+ *   - nthreads <= 0 means "the default" (clb_default_threads()).
+ */
+
+/* Storage types. Values equal GGML's ggml_type so GGUF tensors map one to one. */
+enum clb_qtype {
+    CLB_QTYPE_F32 = 0,
+    CLB_QTYPE_F16 = 1,
+    CLB_QTYPE_Q4_0 = 2,
+    CLB_QTYPE_Q4_1 = 3,
+    CLB_QTYPE_Q8_0 = 8,
+    CLB_QTYPE_BF16 = 30
+};
+
+/* Instruction-set levels; clb_isa_set() forces one (tests), COLIBRI_ISA=scalar|avx2|avx512
+ * forces one at load time. */
+enum clb_isa { CLB_ISA_SCALAR = 0, CLB_ISA_AVX2 = 1, CLB_ISA_AVX512 = 2 };
+
+/* Expert FFN activations. SILU: down(silu(gate x) * up x) (SwiGLU).
+ * SWIGLU_OAI (gpt-oss): g = min(gate x, limit); u = clamp(up x, -limit, limit);
+ * down((u + 1) * g * sigmoid(alpha * g)). GELU: down(gelu_tanh(gate x) * up x). */
+enum clb_act { CLB_ACT_SILU = 0, CLB_ACT_GELU = 1, CLB_ACT_SWIGLU_OAI = 2 };
+
+/* RoPE pairings: NEOX rotates (x[i], x[i + rot_dim/2]) ("rotate_half", Llama/Mixtral/Qwen);
+ * INTERLEAVED rotates (x[2i], x[2i+1]) (GPT-J, DeepSeek MLA rope part, GLM). */
+enum clb_rope_mode { CLB_ROPE_NEOX = 0, CLB_ROPE_INTERLEAVED = 1 };
+
+enum clb_error {
+    CLB_OK = 0,
+    CLB_EINVAL = -1,      /* a size or pointer argument is invalid */
+    CLB_EQTYPE = -2,      /* unknown quant type */
+    CLB_EBLOCK = -3,      /* ncols not a multiple of the format's block size (32) */
+    CLB_EISA = -4         /* requested ISA level not supported by this CPU or build */
+};
+
+/* ---- dispatch ---------------------------------------------------------------------- */
+int clb_isa_detect(void);           /* best level this CPU and build support */
+int clb_isa_get(void);              /* level in use */
+int clb_isa_set(int isa);           /* CLB_OK or CLB_EISA */
+int clb_default_threads(void);      /* physical cores */
+
+/* ---- quantization (quant.c) ---------------------------------------------------------- */
+int64_t clb_row_nbytes(int qtype, int64_t ncols);   /* < 0 on error (CLB_EQTYPE, CLB_EBLOCK) */
+int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t ncols);
+int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64_t ncols);
+
+/* ---- matmul (matmul.c, arch/) ---------------------------------------------------------
+ * y[n, rows] = x[n, cols] @ W[rows, cols]^T, f32 activations and accumulation.
+ * n is 1 (matvec) to any small batch; W in any clb_qtype. */
+int clb_matmul(int qtype, float *y, const void *w, const float *x,
+               int64_t rows, int64_t cols, int64_t n, int nthreads);
+
+/* ---- fused expert FFN (ffn.c) -----------------------------------------------------------
+ * For each of n token rows: h = act(gate x + gate_bias, up x + up_bias)   [d_ff]
+ *                           o = down h + down_bias                        [d_model]
+ *                           y = (accumulate ? y : 0) + row_weight * o
+ * gate, up: [d_ff, d_model] in qtype; down: [d_model, d_ff] in qtype; biases f32, nullable;
+ * row_weight f32 [n], nullable (= 1). scratch f32 [n, 2 * d_ff]. */
+int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x,
+                   const void *gate, const void *up, const void *down,
+                   const float *gate_bias, const float *up_bias, const float *down_bias,
+                   const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                   int act, float alpha, float limit, int accumulate, int nthreads);
+
+/* ---- small ops (ops.c) ----------------------------------------------------------------- */
+/* y[n, d] = x / sqrt(mean(x^2) + eps) * w; w nullable (= 1); y may alias x. */
+int clb_rmsnorm(float *y, const float *x, const float *w, int64_t n, int64_t d, float eps);
+/* In place on x[n_tokens, n_heads, head_dim]: rotate the first rot_dim dims of each head at
+ * position pos[t] with angles pos * inv_freq[i] (inv_freq [rot_dim/2]); cos and sin are
+ * multiplied by mscale (YaRN attention factor, 1 otherwise). */
+int clb_rope(float *x, const int32_t *pos, const float *inv_freq, int64_t n_tokens,
+             int64_t n_heads, int64_t head_dim, int64_t rot_dim, float mscale, int mode);
+int clb_softmax(float *x, int64_t n, int64_t d);                        /* rows, in place */
+/* Per row of x[n, d]: the k largest, descending; ties broken by lowest index. */
+int clb_topk(int32_t *idx, float *val, const float *x, int64_t n, int64_t d, int64_t k);
+int clb_silu(float *y, const float *x, int64_t n);
+int clb_gelu(float *y, const float *x, int64_t n);                       /* tanh approximation */
+
+/* ---- attention (attention.c) -------------------------------------------------------------
+ * out[n_q, n_heads, dv] = softmax(scale * q k^T + mask) v over the KV cache, grouped-query:
+ * head h reads kv head h / (n_heads / n_kv_heads).
+ * q: f32 [n_q, n_heads, dk]; k_cache: [n_ctx, n_kv_heads, dk], v_cache: [n_ctx, n_kv_heads, dv],
+ * f32 or f16 (kv_f16); positions 0..n_kv-1 are valid. Query i sits at position q_pos0 + i and
+ * sees keys j <= q_pos0 + i, and if window > 0 only j > q_pos0 + i - window.
+ * sinks: f32 [n_heads] nullable; a per-head logit added to the softmax denominator only
+ * (gpt-oss). */
+int clb_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
+                  int kv_f16, int64_t n_q, int64_t n_kv, int64_t q_pos0, int64_t n_heads,
+                  int64_t n_kv_heads, int64_t dk, int64_t dv, float scale, int64_t window,
+                  const float *sinks, int nthreads);

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up colibri in ./.venv: system packages (as root, Debian), the venv, the package with its
+# C kernels, and with "test" the test dependencies. Safe to run again: it only redoes what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want="${1:-run}"
+PY="${PYTHON:-python3}"
+
+# System packages: a C compiler, liburing (io_uring), fio (benchmarks). Optional when not root:
+# without liburing the build still succeeds and colibri reads with threads instead.
+need=()
+command -v cc >/dev/null 2>&1 || need+=(build-essential)
+[ -f /usr/include/liburing.h ] || need+=(liburing-dev)
+command -v fio >/dev/null 2>&1 || need+=(fio)
+"$PY" -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+"$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' || need+=(python3-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "colibri setup: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "colibri setup: missing system packages (${need[*]}); install them for io_uring and fio" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.colibri-$want"
+if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml setup.py csrc -newer "$stamp" -print -quit)" ] \
+   || ! ls colibri/_kernels*.so >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+  extra=""
+  [ "$want" = test ] && extra="[test]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$extra"
+  touch "$stamp"
+fi
