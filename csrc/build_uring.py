@@ -26,11 +26,14 @@ def _have_liburing() -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.c")
         with open(src, "w") as f:
-            f.write("#include <liburing.h>\nint main(void){struct io_uring r;"
-                    "return io_uring_queue_init(1,&r,0);}\n")
+            f.write(
+                "#include <liburing.h>\nint main(void){struct io_uring r;"
+                "return io_uring_queue_init(1,&r,0);}\n"
+            )
         try:
-            res = subprocess.run([cc, src, "-o", os.path.join(tmp, "probe"), "-luring"],
-                                 capture_output=True)
+            res = subprocess.run(
+                [cc, src, "-o", os.path.join(tmp, "probe"), "-luring"], capture_output=True
+            )
         except OSError:
             return False
         return res.returncode == 0
@@ -38,8 +41,11 @@ def _have_liburing() -> bool:
 
 HAVE_URING = _have_liburing()
 if not HAVE_URING:
-    print("colibri: liburing headers/library not found: building WITHOUT io_uring "
-          "(install liburing-dev to enable it); reads fall back to threads.", file=sys.stderr)
+    print(
+        "colibri: liburing headers/library not found: building WITHOUT io_uring "
+        "(install liburing-dev to enable it); reads fall back to threads.",
+        file=sys.stderr,
+    )
 
 with open(os.path.join(HERE, "uring.h")) as f:
     _header = f.read()
