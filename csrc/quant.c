@@ -1,0 +1,202 @@
+/* quant.c — GGML block formats: row sizes, quantize, dequantize (scalar; not a hot path).
+ *
+ * Bit-exact with gguf-py's gguf.quants (the oracle in tests): every step is done in float32
+ * in the same order, with no FMA contraction (pragma below), the f16 scale rounded to nearest
+ * even, and float->int conversions that behave like numpy's astype on x86-64.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "colibri.h"
+#include "quant.h"
+
+int clb_qtype_block(int qtype, int64_t *block_elems, int64_t *block_bytes) {
+    int64_t e = QK, b;
+    switch (qtype) {
+    case CLB_QTYPE_F32: e = 1; b = 4; break;
+    case CLB_QTYPE_F16: case CLB_QTYPE_BF16: e = 1; b = 2; break;
+    case CLB_QTYPE_Q4_0: b = sizeof(block_q4_0); break;
+    case CLB_QTYPE_Q4_1: b = sizeof(block_q4_1); break;
+    case CLB_QTYPE_Q8_0: b = sizeof(block_q8_0); break;
+    default: return CLB_EQTYPE;
+    }
+    *block_elems = e;
+    *block_bytes = b;
+    return CLB_OK;
+}
+
+int64_t clb_row_nbytes(int qtype, int64_t ncols) {
+    int64_t e, b;
+    int rc = clb_qtype_block(qtype, &e, &b);
+    if (rc) return rc;
+    if (ncols < 0) return CLB_EINVAL;
+    if (ncols % e) return CLB_EBLOCK;
+    return ncols / e * b;
+}
+
+/* numpy's float32 -> uint8/int8 astype on x86-64: via int32 (cvttss2si), out of range or NaN
+ * gives INT32_MIN, then the low byte. Only reached for inf/NaN intermediates. */
+static inline int32_t np_f2i(float v) {
+    return (v > -2147483648.0f && v < 2147483648.0f) ? (int32_t)v : INT32_MIN;
+}
+
+/* gguf.quants.np_roundf: round half away from zero. */
+static inline float roundf_away(float v) {
+    float a = fabsf(v), fl = floorf(a), b = fl + floorf(2 * (a - fl));
+    return v > 0 ? b : v < 0 ? -b : 0.0f * b;
+}
+
+static void quantize_q4_0(block_q4_0 *out, const float *x) {
+    float max = x[0], amax = fabsf(x[0]);
+    for (int j = 1; j < QK; j++)  /* first element of largest magnitude, keeping its sign */
+        if (fabsf(x[j]) > amax) { amax = fabsf(x[j]); max = x[j]; }
+    float d = max / -8, id = d != 0 ? 1.0f / d : 0.0f;
+    uint8_t q[QK];
+    for (int j = 0; j < QK; j++) {
+        uint8_t v = (uint8_t)np_f2i(truncf(x[j] * id + 8.5f));
+        q[j] = v > 15 ? 15 : v;
+    }
+    out->d = clb_f32_to_f16(d);
+    for (int j = 0; j < QK / 2; j++) out->qs[j] = (uint8_t)(q[j] | (q[j + QK / 2] << 4));
+}
+
+static void quantize_q4_1(block_q4_1 *out, const float *x) {
+    float min = x[0], max = x[0];
+    for (int j = 1; j < QK; j++) {
+        min = x[j] < min ? x[j] : min;
+        max = x[j] > max ? x[j] : max;
+    }
+    float d = (max - min) / 15, id = d != 0 ? 1.0f / d : 0.0f;
+    uint8_t q[QK];
+    for (int j = 0; j < QK; j++) {
+        uint8_t v = (uint8_t)np_f2i(truncf((x[j] - min) * id + 0.5f));
+        q[j] = v > 15 ? 15 : v;
+    }
+    out->d = clb_f32_to_f16(d);
+    out->m = clb_f32_to_f16(min);
+    for (int j = 0; j < QK / 2; j++) out->qs[j] = (uint8_t)(q[j] | (q[j + QK / 2] << 4));
+}
+
+static void quantize_q8_0(block_q8_0 *out, const float *x) {
+    float amax = 0;
+    for (int j = 0; j < QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    float d = amax / 127, id = d != 0 ? 1.0f / d : 0.0f;
+    for (int j = 0; j < QK; j++) out->qs[j] = (int8_t)np_f2i(roundf_away(x[j] * id));
+    out->d = clb_f32_to_f16(d);
+}
+
+int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t ncols) {
+    int64_t rb = clb_row_nbytes(qtype, ncols);
+    if (rb < 0) return (int)rb;
+    if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !x))) return CLB_EINVAL;
+    int64_t n = nrows * ncols;
+    uint8_t *o = out;
+    switch (qtype) {
+    case CLB_QTYPE_F32: memcpy(o, x, (size_t)n * 4); break;
+    case CLB_QTYPE_F16:
+        for (int64_t i = 0; i < n; i++) { uint16_t h = clb_f32_to_f16(x[i]); memcpy(o + 2 * i, &h, 2); }
+        break;
+    case CLB_QTYPE_BF16:
+        for (int64_t i = 0; i < n; i++) { uint16_t h = clb_f32_to_bf16(x[i]); memcpy(o + 2 * i, &h, 2); }
+        break;
+    case CLB_QTYPE_Q4_0:
+        for (int64_t b = 0; b < n / QK; b++) quantize_q4_0((block_q4_0 *)o + b, x + b * QK);
+        break;
+    case CLB_QTYPE_Q4_1:
+        for (int64_t b = 0; b < n / QK; b++) quantize_q4_1((block_q4_1 *)o + b, x + b * QK);
+        break;
+    case CLB_QTYPE_Q8_0:
+        for (int64_t b = 0; b < n / QK; b++) quantize_q8_0((block_q8_0 *)o + b, x + b * QK);
+        break;
+    }
+    return CLB_OK;
+}
+
+/* One block (or float element run) of row data -> 32 floats. Exactly gguf's arithmetic:
+ * Q4_0 d * (q - 8), Q4_1 (d * q) + m (two roundings), Q8_0 q * d. */
+static inline void dequantize_block(int qtype, float *y, const uint8_t *blk) {
+    switch (qtype) {
+    case CLB_QTYPE_Q4_0: {
+        const block_q4_0 *b = (const void *)blk;
+        float d = clb_f16_to_f32(clb_load_u16(&b->d));
+        for (int j = 0; j < QK / 2; j++) {
+            y[j] = d * (float)((b->qs[j] & 15) - 8);
+            y[j + QK / 2] = d * (float)((b->qs[j] >> 4) - 8);
+        }
+        break;
+    }
+    case CLB_QTYPE_Q4_1: {
+        const block_q4_1 *b = (const void *)blk;
+        float d = clb_f16_to_f32(clb_load_u16(&b->d)), m = clb_f16_to_f32(clb_load_u16(&b->m));
+        for (int j = 0; j < QK / 2; j++) {
+            y[j] = d * (float)(b->qs[j] & 15) + m;
+            y[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
+        }
+        break;
+    }
+    case CLB_QTYPE_Q8_0: {
+        const block_q8_0 *b = (const void *)blk;
+        float d = clb_f16_to_f32(clb_load_u16(&b->d));
+        for (int j = 0; j < QK; j++) y[j] = (float)b->qs[j] * d;
+        break;
+    }
+    }
+}
+
+int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64_t ncols) {
+    int64_t rb = clb_row_nbytes(qtype, ncols);
+    if (rb < 0) return (int)rb;
+    if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !data))) return CLB_EINVAL;
+    int64_t n = nrows * ncols;
+    const uint8_t *p = data;
+    switch (qtype) {
+    case CLB_QTYPE_F32: memcpy(out, p, (size_t)n * 4); break;
+    case CLB_QTYPE_F16:
+        for (int64_t i = 0; i < n; i++) out[i] = clb_f16_to_f32(clb_load_u16(p + 2 * i));
+        break;
+    case CLB_QTYPE_BF16:
+        for (int64_t i = 0; i < n; i++) out[i] = clb_bf16_to_f32(clb_load_u16(p + 2 * i));
+        break;
+    default: {
+        int64_t e, bb;
+        clb_qtype_block(qtype, &e, &bb);
+        for (int64_t b = 0; b < n / QK; b++) dequantize_block(qtype, out + b * QK, p + b * bb);
+    }
+    }
+    return CLB_OK;
+}
+
+/* ---- scalar matmul twin ------------------------------------------------------------------
+ * Dequantizes one block of a weight row at a time and accumulates in float (one accumulator
+ * per x row, element order); the SIMD variants in arch/ must match it within tolerance. */
+void clb_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
+                     const float *x, int64_t ldx, int64_t cols, int64_t n, int64_t r0, int64_t r1,
+                     const float *bias, const float *scale, int accumulate) {
+    int64_t e, bb;
+    clb_qtype_block(qtype, &e, &bb);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_nbytes;
+        for (int64_t i = 0; i < n; i++) {
+            const float *xi = x + i * ldx;
+            float s = 0, wb[QK];
+            if (e == QK) {
+                for (int64_t b = 0; b < cols / QK; b++) {
+                    dequantize_block(qtype, wb, row + b * bb);
+                    for (int j = 0; j < QK; j++) s += wb[j] * xi[b * QK + j];
+                }
+            } else {
+                for (int64_t c = 0; c < cols; c++) {
+                    float wv = qtype == CLB_QTYPE_F32    ? ((const float *)(const void *)row)[c]
+                             : qtype == CLB_QTYPE_F16    ? clb_f16_to_f32(clb_load_u16(row + 2 * c))
+                                                         : clb_bf16_to_f32(clb_load_u16(row + 2 * c));
+                    s += wv * xi[c];
+                }
+            }
+            if (bias) s += bias[r];
+            float v = scale ? scale[i] * s : s;
+            y[i * ldy + r] = accumulate ? y[i * ldy + r] + v : v;
+        }
+    }
+}
