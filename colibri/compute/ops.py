@@ -8,6 +8,7 @@ Outputs are caller-allocated (`out=`), so hot paths allocate nothing.
 from __future__ import annotations
 
 import enum
+import math
 import os
 
 import numpy as np
@@ -107,3 +108,244 @@ if os.environ.get("COLIBRI_ISA"):
 # ---- quantization, matmul, expert FFN ------------------------------------------------------
 
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
+
+
+def _arr(
+    a: object,
+    name: str,
+    dtypes: tuple[type, ...] = (np.float32,),
+    *,
+    ndim: int | None = None,
+    writable: bool = False,
+) -> np.ndarray:
+    """Check one kernel argument: numpy array, dtype in `dtypes`, C-contiguous, ndim."""
+    want = " or ".join(np.dtype(d).name for d in dtypes)
+    if not isinstance(a, np.ndarray) or a.dtype not in [np.dtype(d) for d in dtypes]:
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise KernelError(f"{name} must be a {want} numpy array, got {got}")
+    if not a.flags.c_contiguous:
+        raise KernelError(f"{name} must be C-contiguous")
+    if ndim is not None and a.ndim != ndim:
+        raise KernelError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
+    if writable and not a.flags.writeable:
+        raise KernelError(f"{name} must be writable")
+    return a
+
+
+def _same_shape(out: np.ndarray, x: np.ndarray, what: str) -> None:
+    if out.shape != x.shape:
+        raise KernelError(f"{what}: out has shape {out.shape}, x has shape {x.shape}")
+
+
+def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: out = x / sqrt(mean(x**2) + eps) * w (as HF's LlamaRMSNorm,
+    in f32). x, out: float32 [..., d] (out may be x); w: float32 [d] or None (= 1). Returns out.
+    Raises KernelError on wrong dtypes, shapes or eps < 0."""
+    _arr(x, "rmsnorm: x")
+    _arr(out, "rmsnorm: out", writable=True)
+    _same_shape(out, x, "rmsnorm")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise KernelError(f"rmsnorm: x must have a non-empty last axis, got shape {x.shape}")
+    d = x.shape[-1]
+    if w is not None and _arr(w, "rmsnorm: w").shape != (d,):
+        raise KernelError(f"rmsnorm: w has shape {w.shape}, expected ({d},)")
+    rc = lib.clb_rmsnorm(
+        _ptr(out, "float *"), _ptr(x, "float *"), _ptr(w, "float *"), x.size // d, d, eps
+    )
+    _check(rc, f"rmsnorm(d={d}, eps={eps})")
+    return out
+
+
+_ROPE_MODES = {"neox": 0, "interleaved": 1}
+
+
+def rope(
+    x: np.ndarray,
+    pos: np.ndarray,
+    inv_freq: np.ndarray,
+    rot_dim: int | None = None,
+    mscale: float = 1.0,
+    mode: str = "neox",
+) -> np.ndarray:
+    """Rotary position embedding, in place on x: float32 [n_tokens, n_heads, head_dim].
+
+    Token t's first rot_dim dims of every head are rotated by angles pos[t] * inv_freq[i]
+    (f32, as HF's rotary embedding), with cos and sin scaled by mscale (YaRN's attention
+    factor). mode "neox" pairs (x[i], x[i + rot_dim/2]) (HF's rotate_half: Llama, Mixtral,
+    Qwen); "interleaved" pairs (x[2i], x[2i+1]) (GPT-J, GLM, DeepSeek's rope part, in GGML's
+    layout). pos: int32 [n_tokens]; inv_freq: float32 [rot_dim/2]; rot_dim defaults to
+    head_dim (smaller for partial rotary). Returns x. Raises KernelError on bad arguments.
+    """
+    _arr(x, "rope: x", ndim=3, writable=True)
+    _arr(pos, "rope: pos", (np.int32,), ndim=1)
+    _arr(inv_freq, "rope: inv_freq", ndim=1)
+    n_tokens, n_heads, head_dim = x.shape
+    rot_dim = head_dim if rot_dim is None else int(rot_dim)
+    if mode not in _ROPE_MODES:
+        raise KernelError(f"rope: mode must be 'neox' or 'interleaved', got {mode!r}")
+    if rot_dim < 2 or rot_dim % 2 or rot_dim > head_dim:
+        raise KernelError(f"rope: rot_dim {rot_dim} must be even and in [2, head_dim={head_dim}]")
+    if pos.shape != (n_tokens,):
+        raise KernelError(f"rope: pos has shape {pos.shape}, expected ({n_tokens},)")
+    if inv_freq.shape != (rot_dim // 2,):
+        raise KernelError(
+            f"rope: inv_freq has shape {inv_freq.shape}, expected ({rot_dim // 2},) for "
+            f"rot_dim={rot_dim}"
+        )
+    rc = lib.clb_rope(
+        _ptr(x, "float *"),
+        _ptr(pos, "int32_t *"),
+        _ptr(inv_freq, "float *"),
+        n_tokens,
+        n_heads,
+        head_dim,
+        rot_dim,
+        mscale,
+        _ROPE_MODES[mode],
+    )
+    _check(rc, f"rope(shape={x.shape}, rot_dim={rot_dim}, mode={mode})")
+    return x
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in place: x float32 [..., d], max-subtracted. Returns x.
+    A row that is all -inf becomes NaN (as torch). Raises KernelError on a wrong array."""
+    _arr(x, "softmax: x", writable=True)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise KernelError(f"softmax: x must have a non-empty last axis, got shape {x.shape}")
+    _check(lib.clb_softmax(_ptr(x, "float *"), x.size // x.shape[-1], x.shape[-1]), "softmax")
+    return x
+
+
+def topk(
+    x: np.ndarray,
+    k: int,
+    idx_out: np.ndarray | None = None,
+    val_out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest entries of each row of x: float32 [..., d], in descending order, ties
+    broken by the lowest index, NaN ranked last (the order of numpy's
+    argsort(-x, kind="stable")). Returns (idx int32 [..., k], val float32 [..., k]), written
+    into idx_out / val_out when given (no allocation). Raises KernelError unless 0 <= k <= d."""
+    _arr(x, "topk: x")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise KernelError(f"topk: x must have a non-empty last axis, got shape {x.shape}")
+    d = x.shape[-1]
+    if not 0 <= k <= d:
+        raise KernelError(f"topk: k={k} must be in [0, d={d}]")
+    shape = (*x.shape[:-1], k)
+    idx = np.empty(shape, np.int32) if idx_out is None else idx_out
+    val = np.empty(shape, np.float32) if val_out is None else val_out
+    _arr(idx, "topk: idx_out", (np.int32,), writable=True)
+    _arr(val, "topk: val_out", writable=True)
+    if idx.shape != shape or val.shape != shape:
+        raise KernelError(f"topk: idx_out {idx.shape} and val_out {val.shape} must be {shape}")
+    rc = lib.clb_topk(
+        _ptr(idx, "int32_t *"), _ptr(val, "float *"), _ptr(x, "float *"), x.size // d, d, k
+    )
+    _check(rc, f"topk(d={d}, k={k})")
+    return idx, val
+
+
+def silu(out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out = x * sigmoid(x), elementwise; float32, same shape, out may be x. Returns out."""
+    _arr(x, "silu: x")
+    _arr(out, "silu: out", writable=True)
+    _same_shape(out, x, "silu")
+    _check(lib.clb_silu(_ptr(out, "float *"), _ptr(x, "float *"), x.size), "silu")
+    return out
+
+
+def gelu(out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (gelu_pytorch_tanh), elementwise;
+    float32, same shape, out may be x. Returns out."""
+    _arr(x, "gelu: x")
+    _arr(out, "gelu: out", writable=True)
+    _same_shape(out, x, "gelu")
+    _check(lib.clb_gelu(_ptr(out, "float *"), _ptr(x, "float *"), x.size), "gelu")
+    return out
+
+
+def attention(
+    out: np.ndarray,
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    n_kv: int,
+    q_pos0: int,
+    scale: float,
+    window: int = 0,
+    sinks: np.ndarray | None = None,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """Causal grouped-query attention of n_q queries over a KV cache (decode: n_q = 1).
+
+    q: float32 [n_q, n_heads, dk]; k_cache: [n_ctx, n_kv_heads, dk] and v_cache:
+    [n_ctx, n_kv_heads, dv], both float32 or both float16, positions 0..n_kv-1 valid
+    (n_kv <= n_ctx); out: float32 [n_q, n_heads, dv], not overlapping the inputs. Query i sits
+    at position q_pos0 + i (q_pos0 + n_q <= n_kv) and attends to keys j <= q_pos0 + i, and if
+    window > 0 only to j > q_pos0 + i - window (HF's sliding_window). Query head h reads KV
+    head h // (n_heads // n_kv_heads). sinks: float32 [n_heads] or None, a per-head logit that
+    joins the softmax denominator only (gpt-oss). Online softmax, no scratch memory; runs on
+    nthreads threads (<= 0: default_threads()) with the GIL released. Returns out.
+    Raises KernelError on inconsistent shapes, dtypes or positions.
+    """
+    _arr(q, "attention: q", ndim=3)
+    _arr(k_cache, "attention: k_cache", (np.float32, np.float16), ndim=3)
+    _arr(v_cache, "attention: v_cache", (np.float32, np.float16), ndim=3)
+    _arr(out, "attention: out", ndim=3, writable=True)
+    n_q, n_heads, dk = q.shape
+    n_ctx, n_kv_heads, dk_cache = k_cache.shape
+    dv = v_cache.shape[2]
+    if v_cache.dtype != k_cache.dtype:
+        raise KernelError(
+            f"attention: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; use one dtype"
+        )
+    if dk_cache != dk:
+        raise KernelError(f"attention: q head size {dk} != k_cache head size {dk_cache}")
+    if v_cache.shape[:2] != (n_ctx, n_kv_heads):
+        raise KernelError(
+            f"attention: v_cache shape {v_cache.shape} does not match k_cache {k_cache.shape}"
+        )
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise KernelError(
+            f"attention: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}"
+        )
+    if out.shape != (n_q, n_heads, dv):
+        raise KernelError(f"attention: out has shape {out.shape}, expected {(n_q, n_heads, dv)}")
+    if not 0 <= n_kv <= n_ctx:
+        raise KernelError(f"attention: n_kv={n_kv} must be in [0, cache length {n_ctx}]")
+    if q_pos0 < 0 or q_pos0 + n_q > n_kv:
+        raise KernelError(
+            f"attention: queries at positions {q_pos0}..{q_pos0 + n_q - 1} need n_kv >= "
+            f"{q_pos0 + n_q}, got n_kv={n_kv}"
+        )
+    if not math.isfinite(scale):
+        raise KernelError(f"attention: scale={scale} must be finite")
+    if window < 0:
+        raise KernelError(f"attention: window={window} must be >= 0 (0 = no sliding window)")
+    if sinks is not None and _arr(sinks, "attention: sinks").shape != (n_heads,):
+        raise KernelError(f"attention: sinks has shape {sinks.shape}, expected ({n_heads},)")
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if np.may_share_memory(out, a):
+            raise KernelError(f"attention: out overlaps {name}")
+    rc = lib.clb_attention(
+        _ptr(out, "float *"),
+        _ptr(q, "float *"),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        int(k_cache.dtype == np.float16),
+        n_q,
+        n_kv,
+        q_pos0,
+        n_heads,
+        n_kv_heads,
+        dk,
+        dv,
+        scale,
+        window,
+        _ptr(sinks, "float *"),
+        nthreads,
+    )
+    _check(rc, f"attention(q={q.shape}, k_cache={k_cache.shape}, n_kv={n_kv})")
+    return out

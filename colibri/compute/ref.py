@@ -6,3 +6,105 @@ from __future__ import annotations
 import numpy as np
 
 # ---- small ops and attention
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x**2, -1) + eps) * w over the last axis (HF LlamaRMSNorm); float32 out."""
+    x64 = x.astype(np.float64)
+    y = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (y if w is None else y * w.astype(np.float64)).astype(np.float32)
+
+
+def rope(
+    x: np.ndarray,
+    pos: np.ndarray,
+    inv_freq: np.ndarray,
+    rot_dim: int | None = None,
+    mscale: float = 1.0,
+    mode: str = "neox",
+) -> np.ndarray:
+    """Rotary embedding of x [n_tokens, n_heads, head_dim] (returns a new array).
+
+    The angle pos * inv_freq is rounded to float32 as in HF's rotary embedding; cos/sin and
+    the rotation run in float64. neox: HF's rotate_half over the first rot_dim dims;
+    interleaved: pairs (2i, 2i+1)."""
+    head_dim = x.shape[-1]
+    rot_dim = head_dim if rot_dim is None else rot_dim
+    theta = (pos.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]).astype(
+        np.float64
+    )
+    cos = (np.cos(theta) * mscale)[:, None, :]  # [n_tokens, 1, rot_dim/2]
+    sin = (np.sin(theta) * mscale)[:, None, :]
+    y = x.astype(np.float64)
+    if mode == "neox":
+        a, b = y[..., : rot_dim // 2].copy(), y[..., rot_dim // 2 : rot_dim].copy()
+        y[..., : rot_dim // 2] = a * cos - b * sin
+        y[..., rot_dim // 2 : rot_dim] = b * cos + a * sin
+    else:
+        a, b = y[..., 0:rot_dim:2].copy(), y[..., 1:rot_dim:2].copy()
+        y[..., 0:rot_dim:2] = a * cos - b * sin
+        y[..., 1:rot_dim:2] = b * cos + a * sin
+    return y.astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Max-subtracted softmax over the last axis, float64 math, float32 out."""
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(idx int32, val float32) of the k largest per row, descending, ties to the lowest
+    index, NaN last: a stable argsort of -x."""
+    idx = np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
+    return idx, np.take_along_axis(x, idx, axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), float64 math, float32 out."""
+    x64 = x.astype(np.float64)
+    return (x64 / (1.0 + np.exp(-x64))).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32 out."""
+    x64 = x.astype(np.float64)
+    u = np.sqrt(2.0 / np.pi) * (x64 + 0.044715 * x64**3)
+    return (0.5 * x64 * (1.0 + np.tanh(u))).astype(np.float32)
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    n_kv: int,
+    q_pos0: int,
+    scale: float,
+    window: int = 0,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:
+    """Causal GQA attention with an explicit mask (see ops.attention for the layouts).
+
+    q [n_q, n_heads, dk]; caches [n_ctx, n_kv_heads, d]; returns float32 [n_q, n_heads, dv].
+    Query i (position q_pos0 + i) sees key j iff j <= q_pos0 + i and, with a window,
+    j > q_pos0 + i - window. A sink is an extra logit column whose probability is dropped."""
+    n_q, n_heads, _ = q.shape
+    group = n_heads // k_cache.shape[1]
+    k = np.repeat(k_cache[:n_kv].astype(np.float64), group, axis=1)  # [n_kv, n_heads, dk]
+    v = np.repeat(v_cache[:n_kv].astype(np.float64), group, axis=1)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) * scale  # [n_heads, n_q, n_kv]
+    qpos = q_pos0 + np.arange(n_q)[:, None]
+    kpos = np.arange(n_kv)[None, :]
+    visible = kpos <= qpos
+    if window > 0:
+        visible &= kpos > qpos - window
+    s = np.where(visible[None], s, -np.inf)
+    if sinks is not None:
+        sink_col = np.broadcast_to(sinks.astype(np.float64)[:, None, None], (n_heads, n_q, 1))
+        s = np.concatenate([s, sink_col], axis=-1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
+    return np.einsum("hqk,khd->qhd", p, v).astype(np.float32)

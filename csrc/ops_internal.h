@@ -1,0 +1,59 @@
+/* ops_internal.h — private to ops.c, attention.c and arch/ops_*.c (not part of the C API).
+ *
+ * Each small op has three bodies: *_ref (scalar, ops.c / attention.c), *_avx2 and *_avx512
+ * (arch/ops_simd.inc compiled twice). The public clb_* functions in ops.c / attention.c check
+ * arguments, then branch on clb_isa_get().
+ */
+#ifndef COLIBRI_OPS_INTERNAL_H
+#define COLIBRI_OPS_INTERNAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* IEEE half -> float, exact (scalar twin of F16C's vcvtph2ps). */
+static inline float ops_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13);          /* inf, nan */
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);       /* normal */
+    else if (!m) bits = sign;                                      /* +-0 */
+    else { float f = ldexpf((float)m, -24); return sign ? -f : f; } /* subnormal */
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One attention call's arguments (see clb_attention in colibri.h for meanings and layouts). */
+struct ops_attn {
+    float *out;            /* [n_q, n_heads, dv] */
+    const float *q;        /* [n_q, n_heads, dk] */
+    const void *k, *v;     /* [n_ctx, n_kv_heads, dk|dv], f32 or f16 */
+    const float *sinks;    /* [n_heads] or NULL */
+    int kv_f16;
+    int64_t q_pos0, n_heads, n_kv_heads, group, dk, dv, window;
+    float scale;
+};
+
+/* Largest number of query heads (all in one KV group) one attention tile handles. */
+#define OPS_ATTN_HEADS 8
+/* Keys scored per online-softmax step (scores live on the stack: OPS_ATTN_HEADS x this). */
+#define OPS_ATTN_KEYS 32
+
+/* RoPE on one token's heads, for frequencies [i0, i0 + ni):
+ *   NEOX: c, s [ni] = cos, sin; pairs (x[i], x[i + half]).
+ *   INTERLEAVED: c, s [2 ni] = (cos, cos), (-sin, +sin) per pair; pairs (x[2i], x[2i+1]). */
+#define OPS_DECLARE(sfx)                                                                     \
+    void ops_rmsnorm_##sfx(float *y, const float *x, const float *w, int64_t n, int64_t d,   \
+                           float eps);                                                       \
+    void ops_rope_##sfx(float *x, int64_t n_heads, int64_t head_dim, int64_t half,          \
+                        int64_t i0, int64_t ni, const float *c, const float *s, int mode);   \
+    void ops_softmax_##sfx(float *x, int64_t n, int64_t d);                                 \
+    void ops_silu_##sfx(float *y, const float *x, int64_t n);                               \
+    void ops_gelu_##sfx(float *y, const float *x, int64_t n);                               \
+    void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i, int64_t h0, int64_t nh);
+
+OPS_DECLARE(ref)
+OPS_DECLARE(avx2)
+OPS_DECLARE(avx512)
+
+#endif
