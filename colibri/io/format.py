@@ -58,6 +58,19 @@ def tensor_nbytes(qtype: str, shape: Iterable[int]) -> int:
     return rows * row_nbytes(qtype, shape[-1])
 
 
+# safetensors dtype -> numpy dtype of the stored elements (bf16 kept as raw uint16)
+_ST_DTYPES = {"U8": np.uint8, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def dense_dtype_shape(qtype: str, shape: Iterable[int]) -> tuple[str, list[int]]:
+    """How a dense tensor of logical `shape` in `qtype` is stored in dense.safetensors:
+    (safetensors dtype, stored shape). Block formats: U8 [..., row_nbytes]."""
+    shape = [int(x) for x in shape]
+    if qtype in BLOCK_QTYPES:
+        return "U8", [*shape[:-1], row_nbytes(qtype, shape[-1])]
+    return {"f32": "F32", "f16": "F16", "bf16": "BF16"}[qtype], shape
+
+
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -196,7 +209,6 @@ class Store:
         self._check_complete(mpath)
         self._check_experts_file()
         self._dense_header, self._dense_start = self._check_dense_file()
-        self._dense_file: Any = None
 
     # ---- validation ---------------------------------------------------------------------
 
@@ -237,10 +249,7 @@ class Store:
             if qtype not in QTYPES:
                 raise StoreError(f"{self.path / MANIFEST}: dense.{name}.qtype {qtype!r} unknown")
             h = header[name]
-            if qtype in BLOCK_QTYPES:
-                want_dtype, want_shape = "U8", [*shape[:-1], row_nbytes(qtype, shape[-1])]
-            else:
-                want_dtype, want_shape = "F32", shape
+            want_dtype, want_shape = dense_dtype_shape(qtype, shape)
             if h["dtype"] != want_dtype or list(h["shape"]) != want_shape:
                 raise StoreError(
                     f"{self.dense_path}: tensor {name!r} is {h['dtype']} {h['shape']}, manifest "
@@ -265,19 +274,27 @@ class Store:
         return self._dense_meta[name]["qtype"]
 
     def dense(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
-        """Load dense tensor `name` (read on demand from dense.safetensors).
+        """Load dense tensor `name` (read on demand from dense.safetensors, not mapped).
 
         Returns (array, qtype, logical shape): for q4_0/q4_1/q8_0 the array is uint8
-        [rows, row_nbytes] (the GGML blocks), otherwise float32 in the logical shape.
-        KeyError for an unknown name."""
+        [rows, row_nbytes] (the GGML blocks); for f32/f16/bf16 it is float32 in the logical
+        shape (f16/bf16 widened exactly). KeyError for an unknown name."""
         if name not in self._dense_meta:
             raise KeyError(f"{self.dense_path}: no dense tensor {name!r}")
-        if self._dense_file is None:
-            from safetensors import safe_open
-
-            self._dense_file = safe_open(str(self.dense_path), framework="numpy")
-        m = self._dense_meta[name]
-        return self._dense_file.get_tensor(name), m["qtype"], tuple(m["shape"])
+        m, h = self._dense_meta[name], self._dense_header[name]
+        begin, end = h["data_offsets"]
+        with open(self.dense_path, "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), end - begin, self._dense_start + begin)
+        if len(raw) != end - begin:
+            raise StoreError(f"{self.dense_path}: tensor {name!r} cut short")
+        arr = np.frombuffer(raw, dtype=_ST_DTYPES[h["dtype"]]).reshape(h["shape"])
+        if h["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        elif h["dtype"] == "F16":
+            arr = arr.astype(np.float32)
+        else:
+            arr = arr.copy()
+        return arr, m["qtype"], tuple(m["shape"])
 
     def verify_record(self, record: ExpertRecord, buffer: Any) -> None:
         """Check `buffer` (the record's `nbytes` bytes, any buffer-protocol object) against
@@ -317,9 +334,6 @@ class Store:
                 f"{self.experts_path}: {len(bad)} record(s) fail their xxh3 checksum "
                 f"(layer/expert: {', '.join(bad[:10])}{' …' if len(bad) > 10 else ''})"
             )
-
-    def close(self) -> None:
-        self._dense_file = None
 
     def __repr__(self) -> str:
         return (
@@ -434,3 +448,147 @@ def open_store(path: str | os.PathLike[str]) -> Store:
             f"{mpath}: store version {version!r}, this colibri reads version {FORMAT_VERSION}"
         )
     return Store(path, manifest)
+
+
+class StoreWriter:
+    """Writes a store into a temporary directory `OUT.tmp-XXXX` next to `out`, renamed to
+    `out` by `finish()`; any exception inside `with StoreWriter(...)` removes it again.
+
+    Order of use: `begin_dense(plan)`, then `write_dense` for each planned tensor in plan
+    order, interleaved freely with `write_expert` / `write_record` (records in layer-major,
+    expert order), `add_file` for tokenizer files, then `finish(...)`.
+    Raises StoreError if `out` exists and `force` is false."""
+
+    def __init__(self, out: str | os.PathLike[str], layout: ExpertLayout, *, force: bool = False):
+        import tempfile
+
+        self.out = Path(out)
+        if self.out.exists() and not force:
+            raise StoreError(f"{self.out}: already exists (use --force to replace it)")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
+        self.layout = layout
+        self.records: list[dict[str, Any]] = []
+        self.files: list[str] = []
+        self._experts = open(self.tmp / "experts.bin", "wb")  # noqa: SIM115
+        self._dense: Any = None
+        self._plan: list[tuple[str, str, tuple[int, ...]]] = []
+        self._next = 0
+        self._written = 0
+        self._buf = bytearray(layout.record_nbytes)
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def begin_dense(self, plan: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """Write dense.safetensors' header for `plan`: (HF name, qtype, logical shape) each."""
+        header: dict[str, Any] = {}
+        off = 0
+        for name, qtype, shape in plan:
+            dtype, stored = dense_dtype_shape(qtype, shape)
+            nb = int(np.prod(stored, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+            header[name] = {"dtype": dtype, "shape": stored, "data_offsets": [off, off + nb]}
+            off += nb
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
+        self._dense = open(self.tmp / "dense.safetensors", "wb")  # noqa: SIM115
+        self._dense.write(struct.pack("<Q", len(raw)) + raw)
+        self._plan = [(n, q, tuple(int(x) for x in s)) for n, q, s in plan]
+        self._header = header
+
+    def write_dense(self, name: str, data: np.ndarray) -> None:
+        """Append (a run of leading rows of) the next planned dense tensor: uint8
+        [rows, row_nbytes] for block qtypes, float32 / float16 / uint16 (bf16 bits) for
+        f32 / f16 / bf16. A tensor may come in several calls; it is done once all its bytes
+        are written."""
+        if self._next >= len(self._plan) or self._plan[self._next][0] != name:
+            raise StoreError(f"dense tensor {name!r} written out of plan order")
+        begin, end = self._header[name]["data_offsets"]
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self._written += raw.nbytes
+        if self._written > end - begin:
+            raise StoreError(f"dense tensor {name!r}: more than the planned {end - begin} bytes")
+        self._dense.write(raw.data)
+        if self._written == end - begin:
+            self._next, self._written = self._next + 1, 0
+
+    def write_expert(self, layer: int, expert: int, parts: dict[str, Any]) -> None:
+        """Pack one expert's tensors (name -> bytes-like of exactly the layout's nbytes) into a
+        zero-padded record and append it."""
+        buf = self._buf  # gaps between tensors are never written, so they stay zero
+        for name, spec in self.layout.tensors.items():
+            if name not in parts:
+                raise StoreError(f"layer {layer} expert {expert}: tensor {name!r} missing")
+            raw = memoryview(np.ascontiguousarray(parts[name])).cast("B")
+            if raw.nbytes != spec.nbytes:
+                raise StoreError(
+                    f"layer {layer} expert {expert}: {name} has {raw.nbytes} bytes, "
+                    f"layout needs {spec.nbytes}"
+                )
+            buf[spec.offset : spec.offset + spec.nbytes] = raw
+        self.write_record(layer, expert, buf)
+
+    def write_record(self, layer: int, expert: int, record: Any) -> None:
+        """Append one whole record (record_nbytes bytes, padding included)."""
+        view = memoryview(record).cast("B")
+        if view.nbytes != self.layout.record_nbytes:
+            raise StoreError(f"record {layer}/{expert}: {view.nbytes} bytes")
+        offset = self._experts.tell()
+        self._experts.write(view)
+        self.records.append(
+            {"layer": layer, "expert": expert, "offset": offset, "nbytes": view.nbytes,
+             "xxh3": f"{xxhash.xxh3_64_intdigest(view):016x}"}
+        )  # fmt: skip
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """Add a side file (tokenizer.json, ...) to the store."""
+        (self.tmp / name).write_bytes(data)
+        self.files.append(name)
+
+    def finish(self, model_type: str, config: dict[str, Any], source: dict[str, Any]) -> Path:
+        """Write manifest.json, sync, and rename the temporary directory to `out` (replacing
+        an existing `out` only if `force` was given). Returns `out`."""
+        if self._next != len(self._plan):
+            raise StoreError(f"dense tensor {self._plan[self._next][0]!r} never written")
+        self._experts.flush()
+        os.fsync(self._experts.fileno())
+        self._experts.close()
+        if self._dense is not None:
+            self._dense.flush()
+            os.fsync(self._dense.fileno())
+            self._dense.close()
+        manifest = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model_type": model_type,
+            "config": config,
+            "source": source,
+            "dense_file": "dense.safetensors",
+            "dense": {n: {"qtype": q, "shape": list(s)} for n, q, s in self._plan},
+            "experts_file": "experts.bin",
+            "experts_nbytes": (self.tmp / "experts.bin").stat().st_size,
+            "expert_layout": self.layout.to_json(),
+            "checksum": CHECKSUM,
+            "experts": self.records,
+            "tokenizer_files": [f for f in self.files if "token" in f or "template" in f],
+        }
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if self.out.exists():
+            import shutil
+
+            shutil.rmtree(self.out)
+        os.rename(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        """Close and remove the temporary directory (idempotent)."""
+        import shutil
+
+        for f in (self._experts, self._dense):
+            if f is not None:
+                f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,156 @@
+"""`python -m colibri convert SRC OUT`: a Hugging Face checkpoint directory or a GGUF file in,
+a store (docs/FORMAT.md) out. Streams tensor by tensor; writes OUT.tmp-XXXX, renamed at the end.
+
+hf.py reads safetensors checkpoints (per-expert hub layout and transformers 5's fused layout),
+gguf.py reads GGUF files (expert blocks copied bit-exact). This module holds what both share:
+the quantizer, the rule deciding each dense tensor's storage type, and the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from colibri.errors import ConversionError
+from colibri.io.format import BLOCK_QTYPES, QTYPES
+
+SUPPORTED_ARCHS = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+# dense tensors that always stay f32 whatever --dense-quant says (besides every 1-D tensor)
+_F32_NAMES = re.compile(
+    r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
+    r"|\.shared_expert_gate\.weight|norm\.weight|e_score_correction_bias|\.bias|\.sinks)$"
+)
+
+
+def dense_qtype(name: str, shape: tuple[int, ...], dense_quant: str) -> str:
+    """Storage type of dense tensor `name` (HF spelling) of logical `shape`.
+
+    Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks and every
+    tensor that is not 2-D stay f32; a 2-D weight whose columns are not a multiple of 32 falls
+    back to f32 under a block `dense_quant`; everything else (attention, shared experts,
+    embeddings, lm_head) uses `dense_quant`."""
+    if len(shape) != 2 or _F32_NAMES.search(name):
+        return "f32"
+    if dense_quant in BLOCK_QTYPES and shape[-1] % 32:
+        return "f32"
+    return dense_quant
+
+
+def _gguf_type(qtype: str):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[qtype.upper()]
+
+
+def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Quantize float32 `x` [..., cols] row by row into `qtype`.
+
+    Returns uint8 [..., row_nbytes] for q4_0/q4_1/q8_0 (GGML blocks, byte-identical to
+    `gguf.quants.quantize`), uint16 bf16 bits (round to nearest even), float16 or float32.
+    Uses colibri's C kernels when built (colibri.compute.ops.quantize), else gguf.quants."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == "f32":
+        return x
+    if qtype == "f16":
+        return x.astype(np.float16)
+    if qtype == "bf16":
+        from gguf.quants import quantize as gq
+
+        return gq(x, _gguf_type("bf16")).view(np.uint16)
+    ops = _ops()
+    if ops is not None:
+        flat = x.reshape(-1, x.shape[-1])
+        return ops.quantize(flat, qtype).reshape(*x.shape[:-1], -1)
+    from gguf.quants import quantize as gq
+
+    return gq(x, _gguf_type(qtype))
+
+
+_OPS: list = []
+
+
+def _ops():
+    """colibri.compute.ops if its C quantizer is built, else None (then gguf.quants is used)."""
+    if not _OPS:
+        try:
+            from colibri.compute import ops
+
+            _OPS.append(ops if hasattr(ops, "quantize") else None)
+        except ImportError:
+            _OPS.append(None)
+    return _OPS[0]
+
+
+def progress(total_bytes: int, desc: str):
+    """A tqdm bar counting bytes of source tensors processed (tensors shown as postfix)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    quant: str = "q4_0",
+    dense_quant: str = "q8_0",
+    force: bool = False,
+    show_progress: bool = True,
+) -> Path:
+    """Convert the checkpoint at `src` (HF directory or .gguf file) into a store at `out`.
+
+    `quant`: expert weight type; `dense_quant`: type of dense 2-D weights (see dense_qtype).
+    Raises ConversionError (unsupported or inconsistent source) or StoreError (OUT exists
+    without `force`); on any error nothing is left at OUT or OUT.tmp-*."""
+    for what, q in (("--quant", quant), ("--dense-quant", dense_quant)):
+        if q not in QTYPES:
+            raise ConversionError(f"{what} {q!r} unknown (valid: {', '.join(QTYPES)})")
+    src = Path(src)
+    if not src.exists():
+        raise ConversionError(f"{src}: no such file or directory")
+    if src.is_file():
+        from colibri.convert.gguf import convert_gguf
+
+        return convert_gguf(src, Path(out), quant, dense_quant, force, show_progress)
+    from colibri.convert.hf import convert_hf
+
+    return convert_hf(src, Path(out), quant, dense_quant, force, show_progress)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("out", metavar="OUT", help="store directory to create")
+    p.add_argument("--quant", default="q4_0", choices=list(QTYPES), help="expert weights")
+    p.add_argument(
+        "--dense-quant", default="q8_0", choices=list(QTYPES), help="dense 2-D weights"
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    out = convert(
+        args.src, args.out, quant=args.quant, dense_quant=args.dense_quant, force=args.force
+    )
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
