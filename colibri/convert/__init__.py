@@ -141,9 +141,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory or .gguf file")
     p.add_argument("out", metavar="OUT", help="store directory to create")
     p.add_argument("--quant", default="q4_0", choices=list(QTYPES), help="expert weights")
-    p.add_argument(
-        "--dense-quant", default="q8_0", choices=list(QTYPES), help="dense 2-D weights"
-    )
+    p.add_argument("--dense-quant", default="q8_0", choices=list(QTYPES), help="dense 2-D weights")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
 
 

@@ -46,6 +46,10 @@ _ROLE["down_proj"] = "down"
 _CHUNK_BYTES = 64 << 20  # dense tensors are converted this many source bytes at a time
 
 
+# the routed-expert count's config key (transformers 5 renamed qwen*_moe's num_experts)
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 @dataclass(frozen=True)
 class _Arch:
     num_experts: str  # config key of the routed expert count
@@ -165,7 +169,8 @@ def plan_experts(
     that disagree with the config, or MoE layers other than the config's."""
     arch = ARCHS[model_type]
     try:
-        E, H, I = int(cfg[arch.num_experts]), int(cfg["hidden_size"]), int(cfg[arch.d_ff])  # noqa: E741
+        E = int(cfg[next((k for k in _EXPERT_KEYS if k in cfg), arch.num_experts)])
+        H, I = int(cfg["hidden_size"]), int(cfg[arch.d_ff])  # noqa: E741
         n_layers = int(cfg["num_hidden_layers"])
     except KeyError as exc:
         raise ConversionError(f"{ck.src / 'config.json'}: missing field {exc}") from None
@@ -314,28 +319,37 @@ def copy_tokenizer(src: Path, w: StoreWriter) -> None:
         if (src / fname).is_file():
             w.add_file(fname, (src / fname).read_bytes())
     if not (src / "tokenizer.json").is_file() and (src / "tokenizer.model").is_file():
-        w.add_file("tokenizer.json", spm_to_tokenizer_json(src / "tokenizer.model"))
+        tok = spm_to_tokenizer_json(src / "tokenizer.model", src / "tokenizer_config.json")
+        w.add_file("tokenizer.json", tok)
 
 
-def spm_to_tokenizer_json(path: Path) -> bytes:
-    """tokenizer.json text for a SentencePiece model file, made with transformers'
-    convert_slow_tokenizer (needs transformers, sentencepiece and protobuf)."""
+def spm_to_tokenizer_json(path: Path, tokenizer_config: Path | None = None) -> bytes:
+    """tokenizer.json text for a SentencePiece model file, made the way transformers loads a
+    tokenizer.model-only checkpoint (AutoTokenizer; needs transformers, sentencepiece and
+    protobuf). `tokenizer_config` (if given) picks the tokenizer class; default Llama's."""
+    import shutil
+    import tempfile
+
     try:
-        from transformers import LlamaTokenizer
-        from transformers.convert_slow_tokenizer import SpmConverter
+        from transformers import AutoTokenizer
     except ImportError as exc:
         raise ConversionError(
             f"{path}: making tokenizer.json from a SentencePiece model needs transformers, "
             f"sentencepiece and protobuf ({exc})"
         ) from None
-    try:
-        import sentencepiece  # noqa: F401
-
-        slow = LlamaTokenizer(vocab_file=str(path), legacy=True)
-        tok = SpmConverter(slow).converted()
-    except Exception as exc:
-        raise ConversionError(f"{path}: cannot convert SentencePiece model: {exc}") from None
-    return tok.to_str().encode()
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(path, Path(tmp) / "tokenizer.model")
+        if tokenizer_config is not None and tokenizer_config.is_file():
+            shutil.copy(tokenizer_config, Path(tmp) / "tokenizer_config.json")
+        else:
+            (Path(tmp) / "tokenizer_config.json").write_text(
+                '{"tokenizer_class": "LlamaTokenizer"}'
+            )
+        try:
+            tok = AutoTokenizer.from_pretrained(tmp)
+            return tok.backend_tokenizer.to_str().encode()
+        except Exception as exc:
+            raise ConversionError(f"{path}: cannot convert SentencePiece model: {exc}") from None
 
 
 def convert_hf(

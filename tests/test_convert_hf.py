@@ -1,0 +1,295 @@
+"""Tiny random transformers MoE models of every supported architecture (shared by the convert
+and store tests). hidden 64, expert d_ff 96 (so 2*d_ff != hidden and shapes cannot be
+confused), 4 experts, top-2, 2 or 3 layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16)
+CONFIGS: dict[str, dict] = {
+    "mixtral": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "qwen3_moe": dict(
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+    ),
+    "olmoe": dict(intermediate_size=96, num_experts=4, num_experts_per_tok=2, eos_token_id=1),
+    "deepseek_v2": dict(
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        **MLA,
+    ),
+    "deepseek_v3": dict(
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        n_group=1,
+        topk_group=1,
+        **MLA,
+    ),
+    "glm4_moe": dict(
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
+    "gpt_oss": dict(
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+
+
+def make_model(arch: str, seed: int = 0):
+    """A tiny random bf16 model of `arch` with non-trivial values in every parameter."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    cfg = AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # norms/biases init to constants: make them random too
+            p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.5)
+    return model
+
+
+def save(model, path: Path, *, original: bool, shard: bool = False) -> Path:
+    kw = {"max_shard_size": "40KB"} if shard else {}
+    model.save_pretrained(path, save_original_format=original, **kw)
+    return path
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gq_dequantize  # noqa: E402
+from gguf.quants import quantize as gq_quantize  # noqa: E402
+
+from colibri.convert import convert, dense_qtype  # noqa: E402
+from colibri.io.format import open_store  # noqa: E402
+
+ROLES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
+ROLES["down_proj"] = "down"
+
+
+def ref_quant(x: np.ndarray, qtype: str) -> np.ndarray:
+    """The reference bytes of float32 `x` in `qtype` (gguf's quantizers), as uint8 rows."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q = gq_quantize(x, gguf.GGMLQuantizationType[qtype.upper()])
+    return np.ascontiguousarray(q).view(np.uint8).reshape(x.shape[0] if x.ndim > 1 else 1, -1)
+
+
+def source_tensors(path) -> dict[str, np.ndarray]:
+    """Every tensor of an original-format checkpoint as float32 (via torch: bf16 exact)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update({k: v.float().numpy() for k, v in load_file(f).items()})
+    return out
+
+
+def reference_experts(model, arch: str, orig: dict[str, np.ndarray]):
+    """{(layer, expert): {role: float32}} from the original-format files (hub per-expert names)
+    or, for gpt-oss (fused in both formats), from transformers' GptOssExperts semantics:
+    gate_up = x @ gate_up_proj[e] + bias, gate = [..., ::2], up = [..., 1::2]."""
+    import re
+
+    ref: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    pat = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight$")
+    for name, x in orig.items():
+        if m := pat.match(name):
+            ref.setdefault((int(m[1]), int(m[2])), {})[ROLES[m[3]]] = x
+    if arch == "gpt_oss":
+        for i, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for e in range(ex.num_experts):
+                gu = ex.gate_up_proj[e].float().detach().numpy()  # [H, 2I]
+                gb = ex.gate_up_proj_bias[e].float().detach().numpy()
+                ref[(i, e)] = {
+                    "gate": gu[:, ::2].T,
+                    "up": gu[:, 1::2].T,
+                    "down": ex.down_proj[e].float().detach().numpy().T,
+                    "gate_bias": gb[::2],
+                    "up_bias": gb[1::2],
+                    "down_bias": ex.down_proj_bias[e].float().detach().numpy(),
+                }
+    return ref
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(arch, model, {layout: checkpoint dir}) with original, fused and sharded-fused saves."""
+    arch = request.param
+    model = make_model(arch)
+    d = tmp_path_factory.mktemp(arch)
+    dirs = {
+        "original": save(model, d / "orig", original=True),
+        "fused": save(model, d / "fused", original=False),
+        "sharded": save(model, d / "sharded", original=False, shard=True),
+    }
+    return arch, model, dirs
+
+
+def test_convert_all_layouts_match_reference(tiny, tmp_path):
+    """Every record's gate/up/down bytes equal gguf's quantization of the source expert, in all
+    three layouts; every dense tensor equals its source (f32: exactly; q8_0: gguf's bytes)."""
+    arch, model, dirs = tiny
+    assert (dirs["sharded"] / "model.safetensors.index.json").is_file()
+    orig = source_tensors(dirs["original"])
+    ref = reference_experts(model, arch, orig)
+    stores = []
+    for layout, src in dirs.items():
+        out = convert(src, tmp_path / layout, quant="q4_1", show_progress=False)
+        store = open_store(out)
+        stores.append(store)
+        assert store.model_type == arch
+        assert sorted({k[0] for k in ref}) == store.moe_layers, layout
+        assert len(store.records) == len(ref)
+        with open(store.experts_path, "rb") as f:
+            blob = f.read()
+        for rec in store.records:
+            raw = blob[rec.offset : rec.offset + rec.nbytes]
+            store.verify_record(rec, raw)
+            want = ref[(rec.layer, rec.expert)]
+            assert set(want) == set(store.layout.tensors), (layout, rec)
+            for name, spec in store.layout.tensors.items():
+                got = raw[spec.offset : spec.offset + spec.nbytes]
+                if spec.qtype == "f32":
+                    exp = np.ascontiguousarray(want[name], dtype=np.float32).tobytes()
+                else:
+                    exp = ref_quant(want[name], spec.qtype).tobytes()
+                assert got == exp, (arch, layout, rec.layer, rec.expert, name)
+        # dense: same names as the original format (minus experts), values from the source
+        dense = set(store.dense_names())
+        assert dense == {n for n in orig if ".experts." not in n}, layout
+        for name in dense:
+            arr, qtype, shape = store.dense(name)
+            src_x = orig[name]
+            assert tuple(shape) == src_x.shape
+            assert qtype == dense_qtype(name, shape, "q8_0")
+            if qtype == "f32":
+                np.testing.assert_array_equal(arr, src_x, err_msg=name)
+            else:
+                np.testing.assert_array_equal(arr, ref_quant(src_x, qtype), err_msg=name)
+                deq = gq_dequantize(arr, gguf.GGMLQuantizationType[qtype.upper()])
+                np.testing.assert_allclose(deq, src_x, atol=np.abs(src_x).max() / 50)
+    # the three layouts give byte-identical stores
+    a, b, c = (s.experts_path.read_bytes() for s in stores)
+    assert a == b == c
+    assert stores[0].dense_path.read_bytes() == stores[1].dense_path.read_bytes()
+
+
+def test_routers_norms_biases_stay_f32(tiny, tmp_path):
+    arch, _, dirs = tiny
+    store = open_store(convert(dirs["fused"], tmp_path / "s", show_progress=False))
+    for name in store.dense_names():
+        q = store.dense_qtype(name)
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight"))
+        if (
+            router
+            or "norm" in name
+            or name.endswith(("bias", "sinks", "shared_expert_gate.weight"))
+        ):
+            assert q == "f32", name
+        if name.endswith(("q_proj.weight", "o_proj.weight", "embed_tokens.weight")):
+            assert q == "q8_0", name
+    if arch == "mixtral":  # fused Mixtral's router is stored under its hub name
+        assert "model.layers.0.block_sparse_moe.gate.weight" in store.dense_names()
+
+
+@pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q4_0", "q8_0"])
+def test_expert_quant_types_mixtral(quant, tmp_path):
+    """Each --quant gives the reference encoding; f32 is exact, and dequantized q-types are
+    within their block error of the source."""
+    model = make_model("mixtral", seed=1)
+    src = save(model, tmp_path / "src", original=False)
+    store = open_store(
+        convert(src, tmp_path / "out", quant=quant, dense_quant="f16", show_progress=False)
+    )
+    orig = source_tensors(save(model, tmp_path / "orig", original=True))
+    ref = reference_experts(model, "mixtral", orig)
+    rec = store.record(1, 3)
+    raw = store.experts_path.read_bytes()[rec.offset : rec.offset + rec.nbytes]
+    for name in ("gate", "up", "down"):
+        spec = store.layout.tensors[name]
+        got = np.frombuffer(raw[spec.offset : spec.offset + spec.nbytes], np.uint8)
+        want = ref[(1, 3)][name]
+        exp = ref_quant(want, quant).reshape(-1)
+        np.testing.assert_array_equal(got, exp)
+        deq = gq_dequantize(
+            got.reshape(spec.shape[0], -1), gguf.GGMLQuantizationType[quant.upper()]
+        )
+        np.testing.assert_allclose(deq, want, atol=0 if quant in ("f32", "bf16") else 0.2)
+    arr, q, _ = store.dense("model.layers.0.self_attn.q_proj.weight")
+    assert q == "f16" and arr.dtype == np.float32
+    np.testing.assert_array_equal(arr, orig["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_tokenizer_files_carried_and_spm_converted(tmp_path):
+    """tokenizer files are copied; a tokenizer.model-only checkpoint gets a tokenizer.json that
+    tokenizes like SentencePiece itself (texts without runs of spaces: transformers' Llama
+    conversion splits those differently from sentencepiece)."""
+    spm_path = SHARED / "tokenizers/mixtral_mistral/tokenizer.model.v1"
+    if not spm_path.is_file():
+        pytest.skip(f"{spm_path} absent")
+    spm = pytest.importorskip("sentencepiece")
+    from tokenizers import Tokenizer
+
+    src = save(make_model("olmoe"), tmp_path / "src", original=True)
+    (src / "tokenizer.model").write_bytes(spm_path.read_bytes())
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    store = open_store(convert(src, tmp_path / "out", show_progress=False))
+    assert set(store.manifest["tokenizer_files"]) >= {"tokenizer.json", "chat_template.jinja"}
+    tok = Tokenizer.from_file(str(store.path / "tokenizer.json"))
+    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    for text in ["Hello world, this is Mixtral.", "new\nline ünïcode 12345 🦜 x"]:
+        assert tok.encode(text, add_special_tokens=False).ids == sp.encode(text)
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
