@@ -180,6 +180,9 @@ class Reader:
         Cancellation: see the module docstring (waits for an IO already started).
         """
         self._check(record, slot)
+        if record.offset < 0:
+            self._errors += 1
+            raise read_error(self.path, record, "negative offset", errno.EINVAL)
         await self._gate.acquire(priority)
         try:
             await self._read(record, slot)
