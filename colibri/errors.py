@@ -19,3 +19,11 @@ class KernelError(ColibriError):
 
 class ReadError(ColibriError, OSError):
     """An expert record could not be read (names the file, offset and length)."""
+
+
+class TokenizerError(ColibriError):
+    """Tokenizer or chat-template files are missing or invalid, or a template failed to render."""
+
+
+class SamplingError(ColibriError, ValueError):
+    """A sampling parameter is out of range or of the wrong type (names the field)."""
