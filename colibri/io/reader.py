@@ -118,8 +118,7 @@ async def wait_io(fut: asyncio.Future) -> object:
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError as exc:
-            if not fut.done():
-                cancelled = exc
+            cancelled = exc
         except BaseException:
             break
     if cancelled is not None:

@@ -1,0 +1,624 @@
+"""ExpertCache: (layer, expert) -> a slab slot holding that expert's record, under a byte budget.
+
+    cache = ExpertCache(store, reader, budget_nbytes, policy="lru", pinned=hot_keys)
+    cache.request(layer, experts)          # start a layer's misses together (never waits)
+    lease = await cache.get(layer, expert)  # hit, or await the read
+    with lease: kernel(lease.buffer)       # uint8 [record nbytes], valid until released
+    cache.statistics(); await cache.aclose()
+
+Memory: the cache owns `reader.pool` (a SlabPool) whose slots are its whole footprint; the
+pool's size is checked against `budget_nbytes` when the cache is built and its resident bytes
+are measured (smaps) in `statistics()`. Entries: LOADING (a read in flight, owning a slot) or
+READY. A slot is reused only when its entry is READY, unleased (no `get` waiting or holding
+it, no pending `request`) and not pinned, so a slot is never handed out under a live read or a
+kernel computing on it. Concurrent gets of one missing expert share one read (per-key future).
+When every slot is leased or loading, a demand miss waits (FIFO) for a release — it never
+overruns the budget. Cancelling a `get` never cancels the shared read: the record lands and
+stays cached.
+
+Policies (victim = least valuable evictable entry; lookup is a dict, O(1)):
+  lru  — least recently used (OrderedDict; O(1) eviction).
+  lfu  — fewest demand accesses since the cache was built, counts kept across evictions
+         ("perfect LFU": expert popularity is stable per model), ties by recency.
+  lfru — decaying frequency: score = sum over past accesses of 2^((t_i - t) / halflife),
+         t counted in accesses; halflife defaults to 16 x num_slots (best of 64..16384 on the
+         real Mixtral trace, within 0.02 of the best at every budget). Kept in log2 domain.
+  lfu/lfru evict in O(log n) through a heap with lazy deletion. Leased entries met while
+  searching are skipped; they are few (top-k plus reads in flight).
+Pinned experts (a hot set, e.g. `hot_set(load_usage(store.path / "usage.json"), n)`) share
+the same budget and are never evicted once loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from colibri.errors import StoreError
+from colibri.io.format import ExpertRecord
+from colibri.io.reader import DEMAND, PREFETCH, Reader
+
+Key = tuple[int, int]  # (layer, expert)
+POLICIES = ("lru", "lfu", "lfru")
+
+
+# ---- policies (shared with the offline simulator in colibri.io.replay) ----------------------
+class LRUPolicy:
+    """Least recently used. access/insert/remove/victim are O(1)."""
+
+    def __init__(self) -> None:
+        self._order: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+
+    def access(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, skip: Callable[[Hashable], bool] | None = None) -> Hashable | None:
+        for key in self._order:
+            if skip is None or not skip(key):
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class _HeapPolicy:
+    """Evict the resident key of lowest score (ties: least recent). Heap with lazy deletion."""
+
+    def __init__(self) -> None:
+        self._score: dict[Hashable, float] = {}  # every key ever accessed
+        self._resident: dict[Hashable, tuple[float, int]] = {}  # key -> its live heap entry
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._seq = itertools.count()
+
+    def _bump(self, key: Hashable) -> float:
+        raise NotImplementedError
+
+    def _push(self, key: Hashable) -> None:
+        item = (self._score.get(key, -math.inf), next(self._seq))
+        self._resident[key] = item
+        heapq.heappush(self._heap, (*item, key))
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries
+            self._heap = [(*v, k) for k, v in self._resident.items()]
+            heapq.heapify(self._heap)
+
+    def access(self, key: Hashable) -> None:
+        self._score[key] = self._bump(key)
+        if key in self._resident:
+            self._push(key)
+
+    def insert(self, key: Hashable) -> None:
+        self._push(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._resident.pop(key, None)
+
+    def victim(self, skip: Callable[[Hashable], bool] | None = None) -> Hashable | None:
+        skipped, found = [], None
+        while self._heap:
+            score, seq, key = self._heap[0]
+            if self._resident.get(key) != (score, seq):
+                heapq.heappop(self._heap)  # stale
+            elif skip is not None and skip(key):
+                skipped.append(heapq.heappop(self._heap))
+            else:
+                found = key
+                break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+
+class LFUPolicy(_HeapPolicy):
+    """Least frequently used, counts kept across evictions, ties by least recent."""
+
+    def _bump(self, key: Hashable) -> float:
+        return self._score.get(key, 0.0) + 1.0
+
+
+class LFRUPolicy(_HeapPolicy):
+    """Decaying frequency: score(t) = sum_i 2^((t_i - t)/halflife); stored as log2 of
+    sum_i 2^(t_i/halflife), so comparisons need no rescaling and nothing overflows."""
+
+    def __init__(self, halflife: float) -> None:
+        super().__init__()
+        self.halflife = float(halflife)
+        self._t = 0
+
+    def _bump(self, key: Hashable) -> float:
+        self._t += 1
+        return float(np.logaddexp2(self._score.get(key, -math.inf), self._t / self.halflife))
+
+
+def make_policy(name: str, num_slots: int, halflife: float | None = None) -> Any:
+    """A policy object by name ("lru", "lfu", "lfru"); ValueError for another name."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "lfru":
+        return LFRUPolicy(halflife or 16 * num_slots)
+    raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
+
+
+# ---- usage counts (the hot set) --------------------------------------------------------------
+def load_usage(path: str | os.PathLike) -> dict[Key, int]:
+    """Per-expert demand counts from usage.json ({"counts": [[layer, expert, n], ...]});
+    {} when the file does not exist. Raises StoreError when it is malformed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return {(int(a), int(b)): int(n) for a, b, n in data["counts"]}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{path}: malformed usage counts ({exc})") from None
+
+
+def save_usage(path: str | os.PathLike, counts: dict[Key, int]) -> None:
+    """Write usage.json atomically (temp file + rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"counts": [[a, b, n] for (a, b), n in sorted(counts.items())]}, f)
+    os.replace(tmp, path)
+
+
+def hot_set(counts: dict[Key, int], num: int) -> list[Key]:
+    """The `num` most used (layer, expert) keys (ties broken by key)."""
+    return [k for k, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:num]]
+
+
+# ---- the cache ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CacheStatistics:
+    """hits/misses count `get` calls (a get that finds a read in flight is a miss; if that
+    read was a prefetch it also counts in prefetch_late). bytes_read: bytes loaded into slots.
+    resident_nbytes: the slab mapping's resident bytes, measured (smaps). slot_waits: demand
+    misses that had to wait for a slot to be released. verify_seconds: time spent hashing."""
+
+    policy: str
+    budget_nbytes: int
+    num_slots: int
+    slot_nbytes: int
+    hits: int
+    misses: int
+    hit_rate: float
+    bytes_read: int
+    reads: int
+    reads_in_flight: int
+    resident_entries: int
+    resident_nbytes: int
+    pinned: int
+    evictions: int
+    slot_waits: int
+    prefetch_issued: int
+    prefetch_dropped: int
+    prefetch_useful: int
+    prefetch_late: int
+    prefetch_wasted: int
+    verify_seconds: float
+
+
+class _Entry:
+    __slots__ = (
+        "demanded",
+        "fut",
+        "key",
+        "pending",
+        "prefetched",
+        "ready",
+        "record",
+        "refs",
+        "slot",
+        "task",
+    )
+
+    def __init__(self, key: Key, record: ExpertRecord, fut: asyncio.Future) -> None:
+        self.key, self.record, self.fut = key, record, fut
+        self.slot = -1
+        self.ready = False
+        self.refs = 0  # gets waiting/holding + requests not yet consumed
+        self.pending = 0  # requests not yet consumed by a get
+        self.prefetched = False
+        self.demanded = False
+        self.task: asyncio.Task | None = None
+
+
+class Lease:
+    """A held cache entry: `buffer` (numpy uint8 [record nbytes]) stays valid and unchanged
+    until `release()` (or the end of `with lease:`). Releasing twice raises RuntimeError."""
+
+    __slots__ = ("_cache", "_entry", "buffer")
+
+    def __init__(self, cache: ExpertCache, entry: _Entry) -> None:
+        self._cache, self._entry = cache, entry
+        self.buffer = cache.pool.view(entry.slot)[: entry.record.nbytes]
+
+    @property
+    def key(self) -> Key:
+        return self._entry.key
+
+    @property
+    def record(self) -> ExpertRecord:
+        return self._entry.record
+
+    def release(self) -> None:
+        if self._entry is None:
+            raise RuntimeError("lease released twice")
+        entry, self._entry = self._entry, None
+        self.buffer = None
+        self._cache._unref(entry)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ExpertCache:
+    """Expert records cached in `reader.pool`'s slots under a byte budget (module docstring).
+
+    Args:
+        store: has `record(layer, expert) -> ExpertRecord` and `layout.record_nbytes`;
+            optionally `verify_record(record, buffer)` (else XXH3-64 against record.xxh3),
+            `experts_path` and `config["num_experts_per_tok"]`.
+        reader: an open Reader; its pool must hold slots of >= record_nbytes, and
+            pool.mapping bytes <= budget_nbytes.
+        budget_nbytes: bytes of RAM the cache may use (slots it owns).
+        policy: "lru" | "lfu" | "lfru"; lfru_halflife: in accesses (default 16 x num_slots).
+        pinned: (layer, expert) keys never evicted once loaded (share the budget).
+        verify: check each freshly read record's XXH3-64 (StoreError on mismatch).
+        min_slots: slots that must remain for unpinned traffic: one layer's top-k
+            (default config["num_experts_per_tok"], else 2).
+    Raises: ValueError when the budget (pool) is smaller than min_slots + pinned records,
+        naming the minimum in bytes.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        reader: Reader,
+        budget_nbytes: int,
+        *,
+        policy: str = "lru",
+        pinned: Iterable[Key] = (),
+        verify: bool = True,
+        min_slots: int | None = None,
+        lfru_halflife: float | None = None,
+    ) -> None:
+        self.store, self.reader, self.pool = store, reader, reader.pool
+        self.record_nbytes = int(store.layout.record_nbytes)
+        self.budget_nbytes = int(budget_nbytes)
+        self.policy_name = policy
+        self.verify = verify
+        self.pinned = frozenset(pinned)
+        if min_slots is None:
+            config = getattr(store, "config", None) or {}
+            min_slots = int(config.get("num_experts_per_tok", 2))
+        need = min_slots + len(self.pinned)
+        where = getattr(store, "experts_path", "the store")
+        if self.pool.slot_nbytes < self.record_nbytes:
+            raise ValueError(
+                f"{where}: slab slots of {self.pool.slot_nbytes} bytes are smaller "
+                f"than a record ({self.record_nbytes} bytes)"
+            )
+        min_budget = need * self.pool.slot_nbytes
+        if self.budget_nbytes < min_budget or self.pool.num_slots < need:
+            raise ValueError(
+                f"{where}: cache budget {self.budget_nbytes} bytes holds "
+                f"{self.budget_nbytes // self.pool.slot_nbytes} records of "
+                f"{self.pool.slot_nbytes} bytes; at least {need} are needed ({min_slots} for one "
+                f"layer's top-k + {len(self.pinned)} pinned): minimum budget {min_budget} bytes"
+            )
+        mapped = len(self.pool._mm)
+        if mapped > self.budget_nbytes:
+            raise ValueError(
+                f"{where}: slab pool maps {mapped} bytes, over the cache budget "
+                f"of {self.budget_nbytes} bytes (use slots_for_budget)"
+            )
+        self._policy = make_policy(policy, self.pool.num_slots, lfru_halflife)
+        self._entries: dict[Key, _Entry] = {}
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.usage: collections.Counter[Key] = collections.Counter()
+        self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
+        self._n = collections.Counter()
+        self._verify_seconds = 0.0
+        self._closed = False
+
+    @staticmethod
+    def slots_for_budget(budget_nbytes: int, record_nbytes: int) -> int:
+        """How many 4096-aligned slots of `record_nbytes` fit in `budget_nbytes`."""
+        slot = (record_nbytes + 4095) // 4096 * 4096
+        return budget_nbytes // slot
+
+    # -- demand --------------------------------------------------------------------------
+    def request(self, layer: int, experts: Iterable[int]) -> None:
+        """Start the reads of a layer's experts now (one io_uring submit for the batch); never
+        waits. Each requested expert is reserved until a `get` of it (or `unrequest`)."""
+        for expert in experts:
+            entry = self._entry_for((layer, int(expert)), DEMAND)
+            entry.refs += 1
+            entry.pending += 1
+
+    def unrequest(self, layer: int, experts: Iterable[int]) -> None:
+        """Drop reservations made by `request` that will not be consumed by a `get`."""
+        for expert in experts:
+            entry = self._entries.get((layer, int(expert)))
+            if entry is not None and entry.pending:
+                entry.pending -= 1
+                self._unref(entry)
+
+    async def get(self, layer: int, expert: int) -> Lease:
+        """The record of (layer, expert), reading it on a miss.
+
+        Returns a Lease (buffer valid until released). Raises ReadError / StoreError (bad
+        checksum) from the read, in every task waiting on it; the entry is then dropped and a
+        later get retries. Cancellation: the shared read goes on; nothing leaks.
+        """
+        key = (layer, int(expert))
+        self.usage[key] += 1
+        self._policy.access(key)
+        entry = self._entries.get(key)
+        if entry is not None and entry.pending:
+            entry.pending -= 1  # consume the request's reservation as our reference
+            self._n["misses"] += 1
+        elif entry is not None:
+            entry.refs += 1
+            if entry.ready:
+                self._n["hits"] += 1
+            else:
+                self._n["misses"] += 1
+                self._n["prefetch_late"] += entry.prefetched and not entry.demanded
+        else:
+            entry = self._entry_for(key, DEMAND)
+            entry.refs += 1
+            self._n["misses"] += 1
+        first = not entry.demanded
+        entry.demanded = True
+        if first and entry.prefetched:
+            self._n["prefetch_useful"] += 1
+        if self.observer is not None:
+            self.observer.on_demand(key, entry.prefetched and first)
+        while not entry.ready:
+            try:
+                await asyncio.shield(entry.fut)
+            except asyncio.CancelledError:
+                self._unref(entry)
+                if asyncio.current_task().cancelling():
+                    raise
+                # not us: a prefetch read was cancelled just as we joined it; read again
+                entry = self._entry_for(key, DEMAND)
+                entry.refs += 1
+                entry.demanded = True
+            except BaseException:
+                self._unref(entry)
+                raise
+        return Lease(self, entry)
+
+    def _entry_for(self, key: Key, priority: int) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            if self._closed:
+                raise RuntimeError("ExpertCache is closed")
+            entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
+            self._entries[key] = entry
+            entry.task = asyncio.get_running_loop().create_task(self._load(entry, priority))
+        return entry
+
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+        """Start low-priority reads of experts not cached, using only a free slot or the
+        policy's victim among unleased READY entries (never one being read or held, never a
+        slot a demand miss is waiting for). Returns how many reads started; the others are
+        counted as dropped. Never waits."""
+        started = 0
+        for expert in experts:
+            key = (layer, int(expert))
+            if key in self._entries:
+                continue
+            slot = self._take_slot(PREFETCH)
+            if slot is None:
+                self._n["prefetch_dropped"] += 1
+                continue
+            entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
+            entry.slot = slot
+            entry.prefetched = True
+            self._entries[key] = entry
+            entry.task = asyncio.get_running_loop().create_task(self._load(entry, PREFETCH))
+            started += 1
+        self._n["prefetch_issued"] += started
+        return started
+
+    def cancel_prefetches(self) -> int:
+        """Cancel prefetch reads nobody is waiting for (e.g. at a new token); their slots
+        return to the pool once the kernel is done with them. Returns how many."""
+        n = 0
+        for entry in list(self._entries.values()):
+            if entry.prefetched and not entry.ready and entry.refs == 0 and entry.task:
+                entry.task.cancel()
+                n += 1
+        return n
+
+    # -- slots ---------------------------------------------------------------------------
+    def _take_slot(self, priority: int) -> int | None:
+        if priority == PREFETCH and self._slot_waiters:
+            return None
+        slot = self.pool.acquire_nowait()
+        if slot is not None:
+            return slot
+        key = self._policy.victim(lambda k: self._entries[k].refs > 0)
+        if key is None:
+            return None
+        entry = self._entries.pop(key)
+        self._policy.remove(key)
+        self._n["evictions"] += 1
+        if entry.prefetched and not entry.demanded:
+            self._n["prefetch_wasted"] += 1
+            if self.observer is not None:
+                self.observer.on_wasted(key)
+        slot, entry.slot = entry.slot, -1
+        return slot
+
+    def _wake_slot_waiter(self) -> None:
+        while self._slot_waiters:
+            fut = self._slot_waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def _slot(self, priority: int) -> int:
+        slot = self._take_slot(priority)
+        if slot is not None:
+            return slot
+        self._n["slot_waits"] += 1
+        while True:
+            fut = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done():
+                    self._wake_slot_waiter()  # pass the wake-up on
+                else:
+                    self._slot_waiters.remove(fut)
+                raise
+            slot = self._take_slot(DEMAND)
+            if slot is not None:
+                if self._slot_waiters and self._has_free_or_victim():
+                    self._wake_slot_waiter()
+                return slot
+
+    def _has_free_or_victim(self) -> bool:
+        return self.pool.num_free > 0 or (
+            self._policy.victim(lambda k: self._entries[k].refs > 0) is not None
+        )
+
+    def _free_slot(self, slot: int) -> None:
+        self.pool.release(slot)
+        self._wake_slot_waiter()
+
+    async def _load(self, entry: _Entry, priority: int) -> None:
+        try:
+            if entry.slot < 0:
+                entry.slot = await self._slot(priority)
+            await self.reader.read_into(entry.record, entry.slot, priority=priority)
+            if self.verify:
+                t0 = time.perf_counter()
+                self._check(entry)
+                self._verify_seconds += time.perf_counter() - t0
+        except BaseException as exc:
+            if entry.slot >= 0:
+                slot, entry.slot = entry.slot, -1
+                self._free_slot(slot)
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            if isinstance(exc, asyncio.CancelledError):
+                entry.fut.cancel()
+            else:
+                entry.fut.set_exception(exc)
+                entry.fut.exception()  # retrieved: waiters (if any) re-raise it
+            if entry.prefetched and not entry.demanded:
+                self._n["prefetch_wasted"] += 1
+            if not isinstance(exc, Exception):
+                raise
+            return
+        entry.ready = True
+        self._n["reads"] += 1
+        self._n["bytes_read"] += entry.record.nbytes
+        if entry.key not in self.pinned:
+            self._policy.insert(entry.key)
+        entry.fut.set_result(None)
+        if entry.refs == 0:
+            self._wake_slot_waiter()
+
+    def _check(self, entry: _Entry) -> None:
+        buf = self.pool.view(entry.slot)[: entry.record.nbytes]
+        verify = getattr(self.store, "verify_record", None)
+        if verify is not None:
+            verify(entry.record, buf)
+        elif xxhash.xxh3_64_intdigest(buf) != entry.record.xxh3:
+            raise StoreError(
+                f"{getattr(self.store, 'experts_path', '?')}: checksum mismatch in "
+                f"layer {entry.record.layer} expert {entry.record.expert} "
+                f"(offset {entry.record.offset}, {entry.record.nbytes} bytes)"
+            )
+
+    def _unref(self, entry: _Entry) -> None:
+        entry.refs -= 1
+        if entry.refs < 0:
+            raise RuntimeError(f"cache entry {entry.key} released more often than leased")
+        if entry.refs == 0 and entry.ready:
+            self._wake_slot_waiter()
+
+    # -- reporting / closing -------------------------------------------------------------
+    def statistics(self) -> CacheStatistics:
+        n = self._n
+        gets = n["hits"] + n["misses"]
+        ready = [e for e in self._entries.values() if e.ready]
+        return CacheStatistics(
+            self.policy_name,
+            self.budget_nbytes,
+            self.pool.num_slots,
+            self.pool.slot_nbytes,
+            n["hits"],
+            n["misses"],
+            n["hits"] / gets if gets else 0.0,
+            n["bytes_read"],
+            n["reads"],
+            len(self._entries) - len(ready),
+            len(ready),
+            self.pool.resident_nbytes(),
+            sum(e.key in self.pinned for e in ready),
+            n["evictions"],
+            n["slot_waits"],
+            n["prefetch_issued"],
+            n["prefetch_dropped"],
+            n["prefetch_useful"],
+            n["prefetch_late"],
+            n["prefetch_wasted"],
+            self._verify_seconds,
+        )
+
+    def contains(self, layer: int, expert: int) -> bool:
+        """True when (layer, expert) is READY in the cache (a get would hit)."""
+        entry = self._entries.get((layer, expert))
+        return entry is not None and entry.ready
+
+    async def aclose(self) -> None:
+        """Cancel reads in flight and wait for them (slots return to the pool). The reader
+        and pool stay open (their owner closes them)."""
+        self._closed = True
+        tasks = [e.task for e in self._entries.values() if e.task and not e.task.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> ExpertCache:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,166 @@
+"""Prefetcher: start reads of the experts the next layers will probably want.
+
+The prefetcher never routes. The pipeline applies layer L+1's (optionally L+2's) router to
+layer L's hidden state with the one routing implementation (colibri.compute.moe) and hands the
+predicted expert ids over:
+
+    prefetcher = Prefetcher(cache)
+    for each token:
+        prefetcher.new_token()                  # judge the last token, cancel stale reads
+        for each layer L:
+            ...route L, cache.request(L, experts), await cache.get(...)...
+            prefetcher.predict(L + 1, predicted_experts_of_L_plus_1)
+
+`predict` starts low-priority reads through `ExpertCache.prefetch` (free or cold slots only,
+never a leased or loading one; demand reads always go first). The cache tells the prefetcher
+about every demand access (`on_demand`) and every prefetched record evicted unused
+(`on_wasted`), which gives the statistics:
+  predicted — (layer, expert) predictions made; issued — reads actually started (the others
+  were cached already or found no free/cold slot); useful — predictions the same token then
+  demanded; recall = useful / demands in predicted layers; precision = useful / predicted;
+  useful_reads / wasted_reads — issued reads later demanded / never demanded.
+Back-off: prefetch must not make things slower. Reads cost disk time and displace cached
+records, so after each `window` tokens the prefetcher checks the share of its issued reads that
+were demanded; below `min_read_precision` it stops issuing for `cooldown` tokens (doubling on
+each consecutive failure up to `max_cooldown`, reset after a window that pays), then probes
+again. Judge the setting end to end by hit rate and tokens/s (colibri replay --prefetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from colibri.io.cache import ExpertCache, Key
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStatistics:
+    predicted: int
+    issued: int
+    useful: int
+    demanded: int
+    recall: float
+    precision: float
+    useful_reads: int
+    wasted_reads: int
+    cancelled: int
+    enabled: bool
+    backoffs: int
+    skipped_while_backing_off: int
+
+
+class Prefetcher:
+    """Issues predicted experts as low-priority cache reads; see the module docstring.
+
+    Args:
+        cache: the ExpertCache (the prefetcher registers itself as `cache.observer`).
+        min_read_precision: share of issued reads that must be demanded to keep going.
+        window: tokens per judgement; cooldown / max_cooldown: tokens to pause (doubling).
+    """
+
+    def __init__(
+        self,
+        cache: ExpertCache,
+        *,
+        min_read_precision: float = 0.25,
+        window: int = 4,
+        cooldown: int = 4,
+        max_cooldown: int = 256,
+    ) -> None:
+        self.cache = cache
+        cache.observer = self
+        self.min_read_precision = min_read_precision
+        self.window, self.cooldown0, self.max_cooldown = window, cooldown, max_cooldown
+        self._cooldown = cooldown
+        self._paused = 0  # tokens left to pause
+        self._predicted: set[Key] = set()  # this token
+        self._layers: set[int] = set()
+        self._win_issued = self._win_useful = self._win_tokens = 0
+        self._n = dict.fromkeys(
+            (
+                "predicted",
+                "issued",
+                "useful",
+                "demanded",
+                "useful_reads",
+                "wasted_reads",
+                "cancelled",
+                "backoffs",
+                "skipped",
+            ),
+            0,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._paused == 0
+
+    def predict(self, layer: int, experts: Iterable[int]) -> int:
+        """Record the prediction for `layer` this token and start reads of those not cached
+        (unless backing off). Never waits. Returns the number of reads started."""
+        keys = [(layer, int(e)) for e in experts]
+        new = [k for k in keys if k not in self._predicted]
+        self._predicted.update(new)
+        self._layers.add(layer)
+        self._n["predicted"] += len(new)
+        if not self.enabled:
+            self._n["skipped"] += len(new)
+            return 0
+        started = self.cache.prefetch(layer, [k[1] for k in new])
+        self._n["issued"] += started
+        self._win_issued += started
+        return started
+
+    def on_demand(self, key: Key, prefetch_used: bool) -> None:
+        """Called by the cache on every demand `get` (prefetch_used: this get is the first
+        demand of a record a prefetch read)."""
+        if key[0] in self._layers:
+            self._n["demanded"] += 1
+            if key in self._predicted:
+                self._n["useful"] += 1
+                self._predicted.discard(key)  # count once
+        if prefetch_used:
+            self._n["useful_reads"] += 1
+            self._win_useful += 1
+
+    def on_wasted(self, key: Key) -> None:
+        """Called by the cache when a prefetched record is evicted before any demand."""
+        self._n["wasted_reads"] += 1
+
+    def new_token(self) -> None:
+        """A new token starts: cancel prefetch reads nobody waits for, judge the window and
+        back off (or resume) as described in the module docstring."""
+        self._n["cancelled"] += self.cache.cancel_prefetches()
+        self._predicted.clear()
+        self._layers.clear()
+        if self._paused:
+            self._paused -= 1
+            return
+        self._win_tokens += 1
+        if self._win_tokens < self.window:
+            return
+        if self._win_issued and self._win_useful / self._win_issued < self.min_read_precision:
+            self._paused = self._cooldown
+            self._cooldown = min(2 * self._cooldown, self.max_cooldown)
+            self._n["backoffs"] += 1
+        elif self._win_issued:
+            self._cooldown = self.cooldown0
+        self._win_issued = self._win_useful = self._win_tokens = 0
+
+    def statistics(self) -> PrefetchStatistics:
+        n = self._n
+        return PrefetchStatistics(
+            n["predicted"],
+            n["issued"],
+            n["useful"],
+            n["demanded"],
+            n["useful"] / n["demanded"] if n["demanded"] else 0.0,
+            n["useful"] / n["predicted"] if n["predicted"] else 0.0,
+            n["useful_reads"],
+            n["wasted_reads"],
+            n["cancelled"],
+            self.enabled,
+            n["backoffs"],
+            n["skipped"],
+        )

@@ -1,0 +1,400 @@
+"""ExpertCache and Prefetcher: races through a fake reader whose completions the test controls,
+policies against independent references, and the byte budget measured on a real reader."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import resource
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import xxhash
+
+from colibri.errors import ReadError, StoreError
+from colibri.io.cache import (
+    ExpertCache,
+    LFRUPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    hot_set,
+    load_usage,
+    save_usage,
+)
+from colibri.io.format import ExpertRecord
+from colibri.io.prefetch import Prefetcher
+from colibri.io.reader import PREFETCH, open_reader, wait_io
+from colibri.io.replay import SyntheticStore
+from colibri.io.slab import SlabPool
+
+N = 4096  # record bytes
+
+
+class FakeStore:
+    def __init__(self, num_layers=4, num_experts=8, seed=0):
+        rng = np.random.default_rng(seed)
+        self.data = {
+            (la, e): rng.integers(0, 256, N, dtype=np.uint8)
+            for la in range(num_layers)
+            for e in range(num_experts)
+        }
+        self.layout = SimpleNamespace(record_nbytes=N)
+        self.config = {"num_experts_per_tok": 1}
+        self.experts_path = "fake.bin"
+
+    def record(self, layer, expert):
+        return ExpertRecord(layer, expert, 0, N, xxhash.xxh3_64_intdigest(self.data[layer, expert]))
+
+
+class FakeReader:
+    """read_into parks until the test calls complete(key) (or fail(key, exc)); the 'kernel'
+    writes the slot only at completion, and the slot must still be unreleased then."""
+
+    def __init__(self, pool, store):
+        self.pool, self.store = pool, store
+        self.pending: dict = {}
+        self.started: list = []
+
+    async def read_into(self, record, slot, *, priority=0):
+        key = (record.layer, record.expert)
+        assert self.pool._leased[slot], "read into a slot that is not leased"
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[key] = (fut, slot)
+        self.started.append((key, priority))
+        await wait_io(fut)
+
+    def complete(self, key, data=None):
+        fut, slot = self.pending.pop(key)
+        assert self.pool._leased[slot], "kernel wrote into a released slot"
+        self.pool.view(slot)[:N] = self.store.data[key] if data is None else data
+        fut.set_result(None)
+
+    def fail(self, key, exc):
+        fut, _ = self.pending.pop(key)
+        fut.set_exception(exc)
+
+
+def make(num_slots=3, **kw):
+    store = FakeStore()
+    pool = SlabPool(N, num_slots)
+    reader = FakeReader(pool, store)
+    kw.setdefault("min_slots", 1)
+    return store, pool, reader, ExpertCache(store, reader, num_slots * N, **kw)
+
+
+async def spin(n=5):
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def check_slots(cache, pool):
+    """Every slot is either free or owned by exactly one entry."""
+    owned = [e.slot for e in cache._entries.values() if e.slot >= 0]
+    assert len(owned) == len(set(owned))
+    assert sorted(owned + list(pool._free)) == list(range(pool.num_slots))
+
+
+async def test_two_waiters_share_one_read():
+    store, pool, reader, cache = make()
+    t1 = asyncio.create_task(cache.get(0, 1))
+    t2 = asyncio.create_task(cache.get(0, 1))
+    await spin()
+    assert [k for k, _ in reader.started] == [(0, 1)]
+    reader.complete((0, 1))
+    l1, l2 = await t1, await t2
+    np.testing.assert_array_equal(l1.buffer, store.data[0, 1])
+    assert l1.buffer.ctypes.data == l2.buffer.ctypes.data
+    st = cache.statistics()
+    assert (st.hits, st.misses, st.reads, st.bytes_read) == (0, 2, 1, N)
+    l1.release()
+    l2.release()
+    with pytest.raises(RuntimeError, match="twice"):
+        l2.release()
+    with await cache.get(0, 1) as lease:
+        np.testing.assert_array_equal(lease.buffer, store.data[0, 1])
+    assert cache.statistics().hits == 1
+    check_slots(cache, pool)
+
+
+async def test_eviction_never_touches_in_flight_or_leased():
+    store, pool, reader, cache = make(num_slots=3)
+    for e in (0, 1):  # A = (0,0) ready unleased, B = (0,1) ready leased
+        t = asyncio.create_task(cache.get(0, e))
+        await spin()
+        reader.complete((0, e))
+        lease = await t
+        if e == 0:
+            lease.release()
+        else:
+            held = lease
+    tc = asyncio.create_task(cache.get(0, 2))  # C in flight, takes the last free slot
+    await spin()
+    td = asyncio.create_task(cache.get(0, 3))  # D must evict A: B leased, C in flight
+    await spin()
+    assert not cache.contains(0, 0) and cache.contains(0, 1)
+    assert set(reader.pending) == {(0, 2), (0, 3)}
+    reader.complete((0, 3))
+    reader.complete((0, 2))
+    lc, ld = await tc, await td
+    np.testing.assert_array_equal(lc.buffer, store.data[0, 2])
+    np.testing.assert_array_equal(ld.buffer, store.data[0, 3])
+    np.testing.assert_array_equal(held.buffer, store.data[0, 1])
+    assert cache.statistics().evictions == 1
+    check_slots(cache, pool)
+
+
+async def test_cancel_waiter_mid_read_keeps_the_record_and_leaks_nothing():
+    store, pool, reader, cache = make(num_slots=2)
+    t = asyncio.create_task(cache.get(1, 5))
+    await spin()
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert (1, 5) in reader.pending  # the shared read goes on
+    reader.complete((1, 5))
+    await spin()
+    assert cache.contains(1, 5) and cache._entries[1, 5].refs == 0
+    check_slots(cache, pool)
+    with await cache.get(1, 5) as lease:
+        np.testing.assert_array_equal(lease.buffer, store.data[1, 5])
+
+
+async def test_cancel_prefetch_mid_read_frees_the_slot_once():
+    _store, pool, reader, cache = make(num_slots=2)
+    assert cache.prefetch(2, [3]) == 1
+    await spin()
+    assert reader.started == [((2, 3), PREFETCH)]
+    assert cache.cancel_prefetches() == 1
+    await spin()
+    assert pool.num_free == 1  # the 'kernel' still owns the slot
+    reader.complete((2, 3))  # asserts the slot is still leased while written
+    await spin()
+    assert pool.num_free == 2 and not cache._entries
+    st = cache.statistics()
+    assert st.prefetch_wasted == 1 and st.reads == 0
+
+
+async def test_all_slots_leased_waits_without_overrun():
+    store, pool, reader, cache = make(num_slots=2)
+    leases = []
+    for e in (0, 1):
+        t = asyncio.create_task(cache.get(0, e))
+        await spin()
+        reader.complete((0, e))
+        leases.append(await t)
+    t = asyncio.create_task(cache.get(0, 2))
+    await spin(10)
+    assert not t.done() and (0, 2) not in reader.pending  # waiting for a slot, no read
+    assert cache.prefetch(0, [4]) == 0  # prefetch never takes the slot a demand waits for
+    assert cache.statistics().slot_waits == 1
+    leases[0].release()
+    await spin()
+    assert (0, 2) in reader.pending
+    reader.complete((0, 2))
+    lease = await t
+    np.testing.assert_array_equal(lease.buffer, store.data[0, 2])
+    np.testing.assert_array_equal(leases[1].buffer, store.data[0, 1])
+    assert not cache.contains(0, 0)
+    check_slots(cache, pool)
+
+
+async def test_read_error_reaches_every_waiter_then_retries():
+    _store, pool, reader, cache = make()
+    t1 = asyncio.create_task(cache.get(0, 1))
+    t2 = asyncio.create_task(cache.get(0, 1))
+    await spin()
+    reader.fail((0, 1), ReadError("fake.bin: read of 4096 bytes at offset 0 failed: EIO"))
+    for t in (t1, t2):
+        with pytest.raises(ReadError, match="EIO"):
+            await t
+    check_slots(cache, pool)
+    assert pool.num_free == 3
+    t = asyncio.create_task(cache.get(0, 1))
+    await spin()
+    reader.complete((0, 1))
+    (await t).release()
+
+
+async def test_checksum_mismatch_is_a_store_error():
+    _store, pool, reader, cache = make()
+    t = asyncio.create_task(cache.get(3, 3))
+    await spin()
+    reader.complete((3, 3), data=np.zeros(N, np.uint8))
+    with pytest.raises(StoreError, match="layer 3 expert 3"):
+        await t
+    assert pool.num_free == 3
+    _, _, reader2, unchecked = make(verify=False)
+    t = asyncio.create_task(unchecked.get(3, 3))
+    await spin()
+    reader2.complete((3, 3), data=np.zeros(N, np.uint8))
+    (await t).release()
+
+
+async def test_request_batches_a_layer_and_reserves():
+    _store, _pool, reader, cache = make(num_slots=3)
+    cache.request(1, [2, 4, 6])
+    await spin()
+    assert sorted(k for k, _ in reader.started) == [(1, 2), (1, 4), (1, 6)]
+    for e in (6, 2, 4):
+        reader.complete((1, e))
+    await spin()
+    # reserved until fetched: a new miss cannot evict them and waits
+    t = asyncio.create_task(cache.get(2, 0))
+    await spin()
+    assert not t.done() and (2, 0) not in reader.pending
+    lease = await cache.get(1, 4)
+    lease.release()
+    await spin()
+    assert (2, 0) in reader.pending
+    cache.unrequest(1, [2, 6])
+    reader.complete((2, 0))
+    (await t).release()
+    st = cache.statistics()
+    assert (st.misses, st.hits) == (2, 0)
+
+
+def test_budget_too_small_names_the_minimum():
+    store = FakeStore()
+    pool = SlabPool(N, 1)
+    with pytest.raises(ValueError, match=f"minimum budget {2 * N} bytes"):
+        ExpertCache(store, FakeReader(pool, store), N, min_slots=2)
+    pool2 = SlabPool(N, 4)
+    with pytest.raises(ValueError, match="over the cache budget"):
+        ExpertCache(store, FakeReader(pool2, store), 3 * N, min_slots=1)
+
+
+async def test_pinned_are_never_evicted_and_usage_roundtrip(tmp_path):
+    _store, _pool, reader, cache = make(num_slots=3, pinned=[(0, 0)], policy="lfu")
+    for key in [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]:
+        t = asyncio.create_task(cache.get(*key))
+        await spin()
+        if key in reader.pending:
+            reader.complete(key)
+        (await t).release()
+    assert cache.contains(0, 0)
+    assert cache.statistics().pinned == 1
+    save_usage(tmp_path / "usage.json", dict(cache.usage))
+    counts = load_usage(tmp_path / "usage.json")
+    assert counts == {(0, e): 1 for e in range(5)}
+    assert hot_set({(0, 1): 5, (2, 2): 9, (1, 1): 5}, 2) == [(2, 2), (0, 1)]
+    assert load_usage(tmp_path / "missing.json") == {}
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(StoreError, match=r"bad\.json"):
+        load_usage(tmp_path / "bad.json")
+
+
+# ---- policies against references -----------------------------------------------------
+def reference_victim(policy, history, resident):
+    """Brute-force victim from the full access history (time = index)."""
+
+    def last(k):
+        return max(i for i, h in enumerate(history) if h == k)
+
+    if policy == "lru":
+        return min(resident, key=last)
+    if policy == "lfu":
+        return min(resident, key=lambda k: (history.count(k), last(k)))
+    hl = 8.0
+    t = len(history)
+    score = {
+        k: sum(2 ** ((i + 1 - t) / hl) for i, h in enumerate(history) if h == k) for k in resident
+    }
+    return min(resident, key=lambda k: (score[k], last(k)))
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lfru"])
+def test_policy_victims_match_brute_force(name):
+    rng = np.random.default_rng(5)
+    pol = {"lru": LRUPolicy, "lfu": LFUPolicy, "lfru": lambda: LFRUPolicy(8.0)}[name]()
+    resident, history, cap = set(), [], 5
+    for _ in range(400):
+        key = int(rng.zipf(1.5)) % 12
+        history.append(key)
+        pol.access(key)
+        if key in resident:
+            continue
+        if len(resident) >= cap:
+            skip = {int(rng.integers(0, 12))}
+            cands = resident - skip
+            want = reference_victim(name, history[:-1], cands)
+            got = pol.victim(lambda k, skip=skip: k in skip)
+            assert got == want
+            pol.remove(got)
+            resident.discard(got)
+        resident.add(key)
+        pol.insert(key)
+        assert len(pol) == len(resident)
+
+
+# ---- prefetcher ---------------------------------------------------------------------------
+async def test_prefetcher_counts_and_backs_off():
+    _store, _pool, reader, cache = make(num_slots=6)
+    pf = Prefetcher(cache, window=2, cooldown=3, min_read_precision=0.5)
+    pf.new_token()
+    assert pf.predict(1, [2, 3]) == 2
+    await spin()
+    assert {k for k, p in reader.started if p == PREFETCH} == {(1, 2), (1, 3)}
+    reader.complete((1, 2))
+    await spin()
+    t = asyncio.create_task(cache.get(1, 2))  # useful, already landed: a hit
+    t2 = asyncio.create_task(cache.get(1, 5))  # not predicted
+    await spin()
+    reader.complete((1, 5))
+    (await t).release()
+    (await t2).release()
+    st = pf.statistics()
+    assert (st.predicted, st.issued, st.useful, st.demanded) == (2, 2, 1, 2)
+    assert st.recall == 0.5 and st.precision == 0.5
+    assert cache.statistics().hits == 1
+    pf.new_token()  # (1, 3) still in flight, nobody waits: cancelled
+    reader.complete((1, 3))
+    await spin()
+    assert pf.statistics().cancelled == 1 and not cache.contains(1, 3)
+    # keep predicting wrongly: after a window below 50% useful reads it stops issuing
+    for tok in range(4):
+        pf.predict(2, [tok])
+        await spin()
+        if (2, tok) in reader.pending:
+            reader.complete((2, tok))
+        pf.new_token()
+    st = pf.statistics()
+    assert st.backoffs == 1 and not st.enabled
+    skipped = st.skipped_while_backing_off
+    assert pf.predict(3, [7]) == 0 and (3, 7) not in reader.pending
+    assert pf.statistics().skipped_while_backing_off == skipped + 1
+
+
+# ---- the budget, measured on a real reader ---------------------------------------------
+async def test_memory_stays_within_budget_measured(tmp_path):
+    rec = 256 * 1024
+    store = SyntheticStore.create(tmp_path / "experts.bin", 8, 8, rec)
+    budget = 10 * rec + 1000
+    num_slots = ExpertCache.slots_for_budget(budget, rec)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    pool = SlabPool(rec, num_slots)
+    reader = open_reader(store.experts_path, "auto", pool=pool, queue_depth=8)
+    cache = ExpertCache(store, reader, budget, policy="lfru")
+    rng = np.random.default_rng(0)
+    counts = collections.Counter()
+    for _ in range(40):
+        for layer in range(8):
+            experts = [int(x) for x in rng.choice(8, 2, replace=False)]
+            cache.request(layer, experts)
+            leases = [await cache.get(layer, e) for e in experts]
+            for lease in leases:
+                got = lease.buffer
+                assert xxhash.xxh3_64_intdigest(got) == lease.record.xxh3
+                lease.release()
+            counts.update((layer, e) for e in experts)
+    st = cache.statistics()
+    assert st.reads > num_slots  # it really cycled through the budget
+    assert 0 < st.resident_nbytes <= budget  # measured from /proc/self/smaps
+    assert st.resident_nbytes == pool.resident_nbytes()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert rss1 - rss0 <= budget + (8 << 20)  # process peak: budget + interpreter slack
+    assert dict(cache.usage) == dict(counts)
+    await cache.aclose()
+    await reader.aclose()
+    assert os.path.getsize(store.experts_path) == 64 * rec
