@@ -1,0 +1,299 @@
+"""The resident part of a model and the synchronous math of one layer.
+
+Model holds the dense weights (embeddings, attention, norms, routers, shared experts, dense
+MLPs, output head) loaded from a store, and offers the steps pipeline.py strings together.
+Nothing here awaits: these functions run in the engine's compute thread, while the event loop
+keeps reaping expert reads. All activations are f32 [n_tokens, ...].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri.compute import moe, ops
+from colibri.compute.ops import QType
+from colibri.errors import StoreError
+from colibri.io.format import Store
+from colibri.models.spec import LayerSpec, ModelSpec
+
+
+class Linear:
+    """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None."""
+
+    def __init__(self, w: np.ndarray, qtype: QType, rows: int, cols: int, bias: np.ndarray | None):
+        self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def __call__(
+        self, x: np.ndarray, out: np.ndarray | None = None, nthreads: int = 0
+    ) -> np.ndarray:
+        """x f32 [n, cols] -> f32 [n, rows] (written into out when given)."""
+        if out is None:
+            out = np.empty((x.shape[0], self.rows), dtype=np.float32)
+        ops.matmul(self.w, self.qtype, x, out, nthreads=nthreads)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+@dataclass
+class KVCache:
+    """Per-sequence keys and values, preallocated to the context length.
+
+    k[layer]: [n_ctx, n_kv_heads, head_dim], v[layer]: [n_ctx, n_kv_heads, v_head_dim],
+    f32 or f16; `length` tokens are filled. Memory: layers * n_ctx * n_kv * (dk + dv) * itemsize.
+    """
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    n_ctx: int
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
+        k, v = [], []
+        for layer in spec.layers:
+            a = layer.attention
+            k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
+            v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
+        return cls(k, v, n_ctx)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+class Model:
+    """Dense weights of one store, resident in RAM, and the per-layer steps.
+
+    Raises StoreError when a tensor the spec names is missing or has the wrong shape.
+    """
+
+    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0):
+        self.store, self.spec, self.nthreads = store, spec, nthreads
+        self._names = set(store.dense_names())
+        self.embed_w, self.embed_qtype = self._raw(
+            f"{spec.embed}.weight", (spec.vocab_size, spec.d_model)
+        )
+        self.final_norm = self._vector(f"{spec.final_norm}.weight", spec.d_model)
+        self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
+        self.layers = [self._load_layer(layer) for layer in spec.layers]
+        layout = store.layout
+        self.expert_qtype = QType.parse(layout.qtype)
+        self.d_ff = layout.d_ff
+        self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+
+    # ---- loading -------------------------------------------------------------------------
+    def _raw(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, QType]:
+        if name not in self._names:
+            raise StoreError(f"{self.store.path}: dense tensor {name!r} is missing")
+        data, qtype, logical = self.store.dense(name)
+        if tuple(logical) != tuple(shape):
+            raise StoreError(
+                f"{self.store.path}: tensor {name!r} has shape {list(logical)}, "
+                f"expected {list(shape)}"
+            )
+        return data, QType.parse(qtype)
+
+    def _vector(self, name: str, n: int) -> np.ndarray:
+        data, _qtype = self._raw(name, (n,))
+        return np.ascontiguousarray(data, dtype=np.float32)
+
+    def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
+        w, qtype = self._raw(f"{prefix}.weight", (rows, cols))
+        bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
+        return Linear(w, qtype, rows, cols, bias)
+
+    def _load_layer(self, spec: LayerSpec) -> dict[str, object]:
+        a, d, n = spec.attention, self.spec.d_model, spec.names
+        w: dict[str, object] = {
+            "input_norm": self._vector(f"{n['input_norm']}.weight", d),
+            "post_norm": self._vector(f"{n['post_norm']}.weight", d),
+            "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
+            "k": self._linear(n["k"], a.n_kv_heads * a.head_dim, d),
+            "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
+            "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
+        }
+        if a.qk_norm == "head":
+            w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
+            w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
+        elif a.qk_norm == "full":
+            w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.n_heads * a.head_dim)
+            w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.n_kv_heads * a.head_dim)
+        if a.sinks:
+            w["sinks"] = self._vector(n["sinks"], a.n_heads)
+        moe_spec = self.spec.moe
+        if spec.moe:
+            w["router"] = self._linear(n["router"], moe_spec.router.num_experts, d)
+            if "correction_bias" in n:
+                w["correction_bias"] = self._vector(
+                    n["correction_bias"], moe_spec.router.num_experts
+                )
+        for kind in ("shared", "mlp"):
+            if f"{kind}_gate_proj" in n:
+                gate_name = n[f"{kind}_gate_proj"]
+                rows = self.store.manifest["dense"][f"{gate_name}.weight"]["shape"][0]
+                w[kind] = tuple(
+                    self._linear(n[f"{kind}_{p}_proj"], *shape)
+                    for p, shape in (("gate", (rows, d)), ("up", (rows, d)), ("down", (d, rows)))
+                )
+        if "shared_expert_gate" in n:
+            w["shared_expert_gate"] = self._linear(n["shared_expert_gate"], 1, d)
+        return w
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of resident weights (all dense tensors of the store)."""
+        total = self.embed_w.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
+        for w in self.layers:
+            for v in w.values():
+                items = v if isinstance(v, tuple) else (v,)
+                total += sum(i.nbytes for i in items)
+        if self.spec.lm_head == self.spec.embed:
+            total -= self.lm_head.nbytes
+        return total
+
+    # ---- steps ---------------------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens int [n] -> f32 [n, d_model]."""
+        out = np.empty((len(tokens), self.spec.d_model), dtype=np.float32)
+        ops.dequantize(self.embed_w[tokens], self.embed_qtype, out.shape, out=out)
+        return out
+
+    def attention(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
+        """x += attention(input_norm(x)) for layer i; writes the layer's keys/values at
+        positions pos0 .. pos0 + n - 1 of kv. x: f32 [n, d_model], updated in place."""
+        spec, w = self.spec.layers[i], self.layers[i]
+        a, n = spec.attention, x.shape[0]
+        h = np.empty_like(x)
+        ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+        q = w["q"](h, nthreads=self.nthreads)
+        k = w["k"](h, nthreads=self.nthreads)
+        v = w["v"](h, nthreads=self.nthreads)
+        if a.clip_qkv is not None:
+            for t in (q, k, v):
+                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
+        if a.qk_norm == "full":
+            ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
+            ops.rmsnorm(k, k, w["k_norm"], self.spec.norm_eps)
+        q = q.reshape(n, a.n_heads, a.head_dim)
+        k = k.reshape(n, a.n_kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            ops.rmsnorm(
+                q.reshape(-1, a.head_dim),
+                q.reshape(-1, a.head_dim),
+                w["q_norm"],
+                self.spec.norm_eps,
+            )
+            ops.rmsnorm(
+                k.reshape(-1, a.head_dim),
+                k.reshape(-1, a.head_dim),
+                w["k_norm"],
+                self.spec.norm_eps,
+            )
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        kv.k[i][pos0 : pos0 + n] = k
+        kv.v[i][pos0 : pos0 + n] = v.reshape(n, a.n_kv_heads, a.v_head_dim)
+        out = np.empty((n, a.n_heads, a.v_head_dim), dtype=np.float32)
+        ops.attention(
+            out,
+            q,
+            kv.k[i],
+            kv.v[i],
+            n_kv=pos0 + n,
+            q_pos0=pos0,
+            scale=a.scale,
+            window=a.window,
+            sinks=w.get("sinks"),
+            nthreads=self.nthreads,
+        )
+        x += w["o"](out.reshape(n, -1), nthreads=self.nthreads)
+
+    def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
+        """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""
+        h = np.empty_like(x)
+        ops.rmsnorm(h, x, self.layers[i]["post_norm"], self.spec.norm_eps)
+        return h
+
+    def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layer i's router on FFN input h: (expert ids int32 [n, k], weights f32 [n, k])."""
+        w = self.layers[i]
+        logits = w["router"](h, nthreads=self.nthreads)
+        return moe.route(self.spec.moe.router, logits, w.get("correction_bias"))
+
+    def dense_ffn(self, i: int, h: np.ndarray, out: np.ndarray) -> None:
+        """out += the dense part of layer i's FFN: a dense MLP, or the shared expert
+        (times sigmoid(shared_expert_gate(h)) when the family has that gate)."""
+        w = self.layers[i]
+        for kind in ("mlp", "shared"):
+            if kind not in w:
+                continue
+            gate, up, down = w[kind]
+            y = np.zeros_like(out)
+            ops.expert_ffn(
+                y,
+                h,
+                gate.w,
+                up.w,
+                down.w,
+                gate.qtype,
+                self.spec.d_model,
+                gate.rows,
+                act="silu",
+                accumulate=False,
+                nthreads=self.nthreads,
+            )
+            if "shared_expert_gate" in w and kind == "shared":
+                g = w["shared_expert_gate"](h)
+                y *= 1.0 / (1.0 + np.exp(-g))
+            out += y
+
+    def expert_ffn(
+        self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
+    ) -> np.ndarray:
+        """One routed expert on the token rows routed to it: weights[r] * FFN(h[rows[r]]).
+
+        record: uint8 [record_nbytes] (a slab slot); rows int [m]; weights f32 [m].
+        Returns f32 [m, d_model].
+        """
+        m = self.spec.moe
+        part = {name: record[o : o + nb] for name, (o, nb) in self._record.items()}
+        x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
+        y = np.empty((len(rows), self.spec.d_model), dtype=np.float32)
+        bias = {
+            n: part[n].view(np.float32) if n in part else None
+            for n in ("gate_bias", "up_bias", "down_bias")
+        }
+        ops.expert_ffn(
+            y,
+            np.ascontiguousarray(x),
+            part["gate"],
+            part["up"],
+            part["down"],
+            self.expert_qtype,
+            self.spec.d_model,
+            self.d_ff,
+            act=m.act,
+            gate_bias=bias["gate_bias"],
+            up_bias=bias["up_bias"],
+            down_bias=bias["down_bias"],
+            row_weight=np.ascontiguousarray(weights, dtype=np.float32),
+            accumulate=False,
+            alpha=m.alpha,
+            limit=m.limit,
+            nthreads=self.nthreads,
+        )
+        return y
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size]."""
+        h = np.empty_like(x)
+        ops.rmsnorm(h, x, self.final_norm, self.spec.norm_eps)
+        return self.lm_head(h, nthreads=self.nthreads)

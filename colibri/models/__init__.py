@@ -1,0 +1,1 @@
+"""One thin module per Hugging Face model_type."""

@@ -1,0 +1,148 @@
+"""What a model is, as data: the per-architecture files turn a config.json into a ModelSpec.
+
+The generic code (model.py, pipeline.py) reads only these records, never a model_type.
+Tensor names are the checkpoint's own (Hugging Face original format, docs/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from colibri.compute.moe import RouterSpec
+from colibri.compute.rope import inv_freq, rope_parameters
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # q/k dims per head
+    v_head_dim: int
+    rot_dim: int  # leading dims of each head that are rotated (partial rotary)
+    rope_mode: Literal["neox", "interleaved"]
+    inv_freq: np.ndarray  # f32 [rot_dim // 2]
+    mscale: float  # cos/sin scale (YaRN attention factor)
+    scale: float  # softmax scale, usually head_dim ** -0.5
+    window: int = 0  # sliding window (keys j > pos - window); 0 = full attention
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm per head, or over the projection
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    sinks: bool = False  # gpt-oss attention sinks (`self_attn.sinks`)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    router: RouterSpec
+    d_ff: int  # moe_intermediate_size / intermediate_size of one routed expert
+    act: Literal["silu", "gelu", "swiglu_oai"] = "silu"
+    shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) scales the shared expert
+    alpha: float = 1.702  # swiglu_oai constants (gpt-oss)
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    attention: AttentionSpec
+    moe: bool  # routed experts (else a dense MLP)
+    # role -> tensor name (without ".weight"); a role absent here is absent in the model.
+    # roles: input_norm q k v o q_norm k_norm post_norm router correction_bias
+    #        shared_gate_proj shared_up_proj shared_down_proj shared_expert_gate
+    #        mlp_gate_proj mlp_up_proj mlp_down_proj sinks
+    names: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    d_model: int
+    norm_eps: float
+    max_position_embeddings: int
+    layers: tuple[LayerSpec, ...]
+    moe: MoESpec
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"  # == embed when tied
+
+
+def get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of `keys` present (and not None) in config, else default."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+def require(config: dict[str, Any], *keys: str) -> Any:
+    """Like get(), but a missing field raises ValueError naming it."""
+    value = get(config, *keys)
+    if value is None:
+        raise ValueError(f"config.json: missing field {' / '.join(keys)}")
+    return value
+
+
+def standard_attention(
+    config: dict[str, Any],
+    *,
+    rope_mode: Literal["neox", "interleaved"] = "neox",
+    window: int = 0,
+    qk_norm: Literal["none", "head", "full"] = "none",
+    sinks: bool = False,
+) -> AttentionSpec:
+    """Grouped-query attention with RoPE as Llama-style configs describe it."""
+    d_model = require(config, "hidden_size")
+    n_heads = require(config, "num_attention_heads")
+    head_dim = get(config, "head_dim", default=d_model // n_heads)
+    params = rope_parameters(config)
+    rot_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    freq, mscale = inv_freq(params, rot_dim, get(config, "max_position_embeddings", default=4096))
+    return AttentionSpec(
+        n_heads=n_heads,
+        n_kv_heads=get(config, "num_key_value_heads", default=n_heads),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        rot_dim=rot_dim,
+        rope_mode=rope_mode,
+        inv_freq=freq,
+        mscale=mscale,
+        scale=head_dim**-0.5,
+        window=window,
+        qk_norm=qk_norm,
+        clip_qkv=get(config, "clip_qkv"),
+        sinks=sinks,
+    )
+
+
+def attention_names(prefix: str, *, qk_norm: bool = False) -> dict[str, str]:
+    names = {
+        "input_norm": f"{prefix}.input_layernorm",
+        "post_norm": f"{prefix}.post_attention_layernorm",
+        **{r: f"{prefix}.self_attn.{r}_proj" for r in "qkvo"},
+    }
+    if qk_norm:
+        names |= {"q_norm": f"{prefix}.self_attn.q_norm", "k_norm": f"{prefix}.self_attn.k_norm"}
+    return names
+
+
+def mlp_names(prefix: str, kind: str = "mlp") -> dict[str, str]:
+    """gate/up/down projections of a dense SwiGLU MLP under `prefix` (roles `{kind}_*`)."""
+    return {f"{kind}_{p}_proj": f"{prefix}.{p}_proj" for p in ("gate", "up", "down")}
+
+
+def base_spec(
+    config: dict[str, Any], layers: list[LayerSpec], moe: MoESpec, model_type: str
+) -> ModelSpec:
+    tied = bool(get(config, "tie_word_embeddings", default=False))
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=require(config, "vocab_size"),
+        d_model=require(config, "hidden_size"),
+        norm_eps=float(get(config, "rms_norm_eps", default=1e-6)),
+        max_position_embeddings=get(config, "max_position_embeddings", default=4096),
+        layers=tuple(layers),
+        moe=moe,
+        lm_head="model.embed_tokens" if tied else "lm_head",
+    )

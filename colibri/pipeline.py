@@ -1,0 +1,188 @@
+"""The forward pass: the one place that both awaits and computes.
+
+For each layer: attention on resident weights with the KV cache; the router and top-k;
+ask the cache for the chosen experts (misses go to disk as one batch); tell the prefetcher
+what the next layer's router predicts; compute each expert's FFN as soon as its record is
+ready; shared expert or dense MLP; residual. Math runs in a one-thread executor (kernels are
+multi-threaded inside), so the event loop keeps reaping IO completions while kernels run.
+
+Results do not depend on arrival order: each expert writes its own output slot and the slots
+are summed in a fixed order, so placement (backend, budget, policy, prefetch) changes speed,
+never tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from colibri.model import KVCache, Model
+
+T = TypeVar("T")
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent, summed over forward passes (for the per-token breakdown)."""
+
+    compute: float = 0.0  # in kernels (executor)
+    wait_io: float = 0.0  # awaiting expert records that were not ready
+    layers: int = 0
+    experts: int = 0
+    per_layer_compute: list[float] = field(default_factory=list)
+
+
+class Pipeline:
+    """Runs forward passes of `model`, fetching routed experts through `cache`.
+
+    cache: an ExpertCache (colibri.io.cache). prefetcher: a Prefetcher or None.
+    executor: a ThreadPoolExecutor for the math (default: one worker).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        cache: Any,
+        prefetcher: Any | None = None,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.model, self.cache, self.prefetcher = model, cache, prefetcher
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="colibri-compute")
+        self.times = StepTimes()
+        self._moe_layers = [s.index for s in model.spec.layers if s.moe]
+
+    def close(self) -> None:
+        if self._own_executor:
+            self.executor.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the compute thread. If the caller is cancelled, the kernel still
+        runs to its end before the cancellation propagates: buffers it reads (slab slots)
+        must not be released under it."""
+        t0 = time.perf_counter()
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            out = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    continue
+                except Exception:
+                    break
+            raise
+        self.times.compute += time.perf_counter() - t0
+        return out
+
+    async def forward(self, tokens: np.ndarray, kv: KVCache) -> np.ndarray:
+        """Run tokens (int [n], the next n positions of kv) through the model.
+
+        Returns the logits of the last token, f32 [vocab_size]. Raises ValueError when the
+        tokens do not fit in the KV cache's context. Cancelling stops between expert loads
+        and releases every record it holds.
+        """
+        n, pos0 = len(tokens), kv.length
+        if pos0 + n > kv.n_ctx:
+            raise ValueError(
+                f"context length exceeded: {pos0 + n} tokens > n_ctx {kv.n_ctx} "
+                "(raise it with --ctx / n_ctx=)"
+            )
+        m = self.model
+        if self.prefetcher is not None:
+            self.prefetcher.new_token()
+        x = await self._run(m.embed, np.asarray(tokens, dtype=np.int64))
+        for spec in m.spec.layers:
+            i = spec.index
+            h, ids, weights, predicted = await self._run(self._attention_and_route, i, x, kv, pos0)
+            out = np.zeros_like(x)
+            if spec.moe:
+                experts = np.unique(ids)
+                self.cache.request(i, experts.tolist())
+                if self.prefetcher is not None and predicted is not None:
+                    self.prefetcher.predict(predicted[0], predicted[1])
+                dense = asyncio.ensure_future(self._run(m.dense_ffn, i, h, out))
+                try:
+                    slots = await self._experts(i, h, ids, weights, experts)
+                finally:
+                    await asyncio.wait([dense])
+                dense.result()
+                await self._run(_sum_slots, out, slots)
+            else:
+                await self._run(m.dense_ffn, i, h, out)
+            x += out
+            self.times.layers += 1
+        kv.length = pos0 + n
+        return (await self._run(m.logits, x[-1:]))[0]
+
+    def _attention_and_route(
+        self, i: int, x: np.ndarray, kv: KVCache, pos0: int
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, tuple[int, list[int]] | None]:
+        """Attention, FFN input, routing of layer i and the prediction for the next MoE
+        layer (one executor hop)."""
+        m = self.model
+        m.attention(i, x, kv, pos0)
+        h = m.post_norm(i, x)
+        if not m.spec.layers[i].moe:
+            return h, None, None, None
+        ids, weights = m.route(i, h)
+        predicted = None
+        if self.prefetcher is not None and self.prefetcher.enabled:
+            nxt = next((j for j in self._moe_layers if j > i), None)
+            if nxt is not None:
+                # the next layer's router applied to this layer's hidden state (after that
+                # layer's norm): the prediction DESIGN.md §5 describes
+                p_ids, _ = m.route(nxt, m.post_norm(nxt, x))
+                predicted = (nxt, np.unique(p_ids).tolist())
+        return h, ids, weights, predicted
+
+    async def _experts(
+        self, i: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: np.ndarray
+    ) -> np.ndarray:
+        """Each chosen expert's weighted output in its own slot: f32 [n, k, d_model]."""
+        slots = np.zeros((*ids.shape, h.shape[1]), dtype=np.float32)
+
+        async def fetch(e: int) -> tuple[int, Any]:
+            return e, await self.cache.get(i, e)
+
+        pending = [asyncio.ensure_future(fetch(int(e))) for e in experts]
+        try:
+            while pending:
+                t0 = time.perf_counter()
+                done, still = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                self.times.wait_io += time.perf_counter() - t0
+                pending = list(still)
+                for task in done:
+                    e, lease = task.result()
+                    try:
+                        tok, slot = np.nonzero(ids == e)
+                        y = await self._run(
+                            self.model.expert_ffn, lease.buffer, h, tok, weights[tok, slot]
+                        )
+                        slots[tok, slot] = y
+                        self.times.experts += 1
+                    finally:
+                        lease.release()
+        finally:
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                try:
+                    _, lease = await task
+                except BaseException:
+                    continue
+                lease.release()
+        return slots
+
+
+def _sum_slots(out: np.ndarray, slots: np.ndarray) -> None:
+    """out += sum over k of slots[:, k] in slot order (fixed, whatever the arrival order)."""
+    for j in range(slots.shape[1]):
+        out += slots[:, j]
