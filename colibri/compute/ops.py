@@ -107,6 +107,200 @@ if os.environ.get("COLIBRI_ISA"):
 
 # ---- quantization, matmul, expert FFN ------------------------------------------------------
 
+Buffer = np.ndarray | memoryview | bytes | bytearray
+
+
+class Act(enum.IntEnum):
+    """Expert FFN activations (clb_act); formulas in csrc/colibri.h."""
+
+    SILU = 0
+    GELU = 1
+    SWIGLU_OAI = 2
+
+
+def _nbytes(buf: Buffer, name: str) -> int:
+    """Size of a weight buffer; it must be C-contiguous (passed to C without copying)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise KernelError(f"{name} must be C-contiguous")
+        return buf.nbytes
+    if isinstance(buf, bytes | bytearray):
+        return len(buf)
+    if isinstance(buf, memoryview):
+        if not buf.c_contiguous:
+            raise KernelError(f"{name} must be C-contiguous")
+        return buf.nbytes
+    raise KernelError(f"{name} must be a numpy array, memoryview, bytes or bytearray")
+
+
+def row_nbytes(qtype: QType | str | int, cols: int) -> int:
+    """Bytes of one row of `cols` weights stored as `qtype` (GGML layout: 32-weight blocks of
+    18 (Q4_0), 20 (Q4_1) or 34 (Q8_0) bytes; 4/2/2 bytes an element for F32/F16/BF16).
+
+    Raises KernelError if `cols` is not a multiple of the block size (32) for block formats.
+    """
+    qt = QType.parse(qtype)
+    nb = int(lib.clb_row_nbytes(int(qt), int(cols)))
+    _check(nb, f"row_nbytes({qt.name}, cols={cols})")
+    return nb
+
+
+def quantize(x: np.ndarray, qtype: QType | str | int, out: np.ndarray | None = None) -> np.ndarray:
+    """Quantize float rows x[..., cols] to `qtype`, byte-identical to `gguf.quants.quantize`.
+
+    Returns uint8 [..., row_nbytes(qtype, cols)] (written into `out` if given). x is converted
+    to C-contiguous float32 first (a copy only if needed). Raises KernelError for a bad shape,
+    cols not a multiple of 32 for block formats, or a wrong `out`.
+    """
+    qt = QType.parse(qtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim < 1:
+        raise KernelError("quantize: x must have at least one dimension")
+    cols = x.shape[-1]
+    shape = (*x.shape[:-1], row_nbytes(qt, cols))
+    if out is None:
+        out = np.empty(shape, np.uint8)
+    elif (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.uint8
+        or out.shape != shape
+        or not out.flags.c_contiguous
+    ):
+        raise KernelError(f"quantize: out must be a C-contiguous uint8 array of shape {shape}")
+    rows = x.size // cols if cols else 0
+    rc = lib.clb_quantize(int(qt), _ptr(out), _ptr(x, "float *"), rows, cols)
+    _check(rc, f"quantize({qt.name}, shape={x.shape})")
+    return out
+
+
+def dequantize(
+    data: Buffer, qtype: QType | str | int, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode `qtype` bytes holding a tensor of `shape` (rows of shape[-1] weights) to float32,
+    bit-identical to `gguf.quants.dequantize`.
+
+    Returns float32 `shape` (written into `out` if given). Raises KernelError if data is not
+    exactly the tensor's size or cols is not a multiple of 32 for block formats.
+    """
+    qt = QType.parse(qtype)
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise KernelError("dequantize: shape must have at least one dimension")
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    want = rows * row_nbytes(qt, cols)
+    if (got := _nbytes(data, "dequantize: data")) != want:
+        raise KernelError(f"dequantize: data has {got} bytes, {qt.name} {shape} needs {want}")
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif _f32(out, "dequantize: out", writable=True).shape != shape:
+        raise KernelError(f"dequantize: out has shape {out.shape}, expected {shape}")
+    rc = lib.clb_dequantize(int(qt), _ptr(out, "float *"), _ptr(data), rows, cols)
+    _check(rc, f"dequantize({qt.name}, shape={shape})")
+    return out
+
+
+def _rows_x(x: np.ndarray, out: np.ndarray, what: str) -> tuple[int, int, int]:
+    """(n, cols, rows) for x [cols] / [n, cols] and out [rows] / [n, rows]."""
+    _f32(x, f"{what}: x")
+    _f32(out, f"{what}: out", writable=True)
+    if x.ndim not in (1, 2) or out.ndim != x.ndim or x.shape[:-1] != out.shape[:-1]:
+        raise KernelError(
+            f"{what}: x {x.shape} and out {out.shape} must be [cols] and [rows], "
+            "or [n, cols] and [n, rows]"
+        )
+    n = x.shape[0] if x.ndim == 2 else 1
+    return n, x.shape[-1], out.shape[-1]
+
+
+def matmul(
+    w: Buffer, qtype: QType | str | int, x: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """out[n, rows] = x[n, cols] @ W[rows, cols]^T, f32 activations and accumulation.
+
+    w: any C-contiguous buffer holding W row-major in `qtype` (rows * row_nbytes bytes, e.g. a
+    numpy view into an expert record); rows is taken from out.shape[-1] and cols from
+    x.shape[-1]. x, out: float32, C-contiguous, either 1-D (matvec) or 2-D with the same n.
+    nthreads <= 0 means default_threads(). Runs in C with the GIL released; allocates nothing.
+    Returns out. Raises KernelError on any shape, dtype or size mismatch.
+    """
+    qt = QType.parse(qtype)
+    n, cols, rows = _rows_x(x, out, "matmul")
+    want = rows * row_nbytes(qt, cols)
+    if (got := _nbytes(w, "matmul: w")) != want:
+        raise KernelError(f"matmul: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    rc = lib.clb_matmul(
+        int(qt), _ptr(out, "float *"), _ptr(w), _ptr(x, "float *"), rows, cols, n, int(nthreads)
+    )
+    _check(rc, f"matmul({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
+def _opt_f32(a: np.ndarray | None, size: int, name: str) -> np.ndarray | None:
+    if a is not None and _f32(a, name).size != size:
+        raise KernelError(f"{name} must have {size} elements, got {a.size}")
+    return a
+
+
+def expert_ffn(
+    out: np.ndarray,
+    x: np.ndarray,
+    gate: Buffer,
+    up: Buffer,
+    down: Buffer,
+    qtype: QType | str | int,
+    d_model: int,
+    d_ff: int,
+    *,
+    act: Act | str | int = Act.SILU,
+    gate_bias: np.ndarray | None = None,
+    up_bias: np.ndarray | None = None,
+    down_bias: np.ndarray | None = None,
+    row_weight: np.ndarray | None = None,
+    accumulate: bool = True,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    scratch: np.ndarray | None = None,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """One routed expert on n token rows: out (+)= row_weight * down(act(gate x, up x)).
+
+    x, out: float32 [d_model] or [n, d_model]. gate, up: [d_ff, d_model] and down:
+    [d_model, d_ff] in `qtype`, any C-contiguous buffers (e.g. numpy views into a slab slot,
+    no copies). act: "silu" (SwiGLU), "gelu" (tanh approximation) or "swiglu_oai" (gpt-oss:
+    g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF
+    GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
+    (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
+    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (allocated
+    if None; pass it to stay allocation-free). Returns out. Raises KernelError on bad shapes.
+    """
+    qt = QType.parse(qtype)
+    a = Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, "expert_ffn")
+    if cols != d_model or rows != d_model:
+        raise KernelError(f"expert_ffn: x {x.shape} and out {out.shape} need d_model={d_model}")
+    w_in, w_out = d_ff * row_nbytes(qt, d_model), d_model * row_nbytes(qt, d_ff)
+    for name, buf, want in (("gate", gate, w_in), ("up", up, w_in), ("down", down, w_out)):
+        if (got := _nbytes(buf, f"expert_ffn: {name}")) != want:
+            raise KernelError(f"expert_ffn: {name} has {got} bytes, {qt.name} needs {want}")
+    _opt_f32(gate_bias, d_ff, "expert_ffn: gate_bias")
+    _opt_f32(up_bias, d_ff, "expert_ffn: up_bias")
+    _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
+    _opt_f32(row_weight, n, "expert_ffn: row_weight")
+    if scratch is None:
+        scratch = np.empty(2 * n * d_ff, np.float32)
+    elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
+        raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
+    rc = lib.clb_expert_ffn(
+        int(qt), _ptr(out, "float *"), _ptr(scratch, "float *"), _ptr(x, "float *"),
+        _ptr(gate), _ptr(up), _ptr(down), _ptr(gate_bias, "float *"), _ptr(up_bias, "float *"),
+        _ptr(down_bias, "float *"), _ptr(row_weight, "float *"), n, d_model, d_ff, int(a),
+        float(alpha), float(limit), int(bool(accumulate)), int(nthreads),
+    )  # fmt: skip
+    _check(rc, f"expert_ffn({qt.name}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    return out
+
+
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 

@@ -5,6 +5,65 @@ from __future__ import annotations
 
 import numpy as np
 
+# ---- quantization, matmul, expert FFN
+# The oracle for the storage formats is gguf-py (llama.cpp's own numpy implementation); these
+# wrappers only add colibri's [rows, row_nbytes] byte layout.
+
+
+def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
+    """x float [..., cols] -> uint8 [..., row_nbytes] exactly as `gguf.quants.quantize`."""
+    import gguf
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qtype)))
+    return np.ascontiguousarray(q).view(np.uint8).reshape(*x.shape[:-1], -1)
+
+
+def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 bytes of a tensor of `shape` -> float32 `shape` via `gguf.quants.dequantize`."""
+    import gguf
+
+    raw = np.frombuffer(memoryview(data).cast("B"), np.uint8).reshape(*shape[:-1], -1)
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype))).reshape(shape)
+
+
+def matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x[n, cols] @ w[rows, cols]^T in float64 (w already dequantized)."""
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def _act(g: np.ndarray, u: np.ndarray, act: int, alpha: float, limit: float) -> np.ndarray:
+    if act == 0:  # SiLU (SwiGLU)
+        return g / (1 + np.exp(-g)) * u
+    if act == 1:  # GELU, tanh approximation (HF gelu_pytorch_tanh)
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    # gpt-oss (HF GptOssExperts): clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1) * g / (1 + np.exp(-alpha * g))
+
+
+def expert_ffn(
+    x: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    act: int = 0,
+    gate_bias: np.ndarray | None = None,
+    up_bias: np.ndarray | None = None,
+    down_bias: np.ndarray | None = None,
+    row_weight: np.ndarray | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> np.ndarray:
+    """row_weight * (down(act(gate x + bg, up x + bu)) + bd) in float64; x [n, d_model],
+    gate/up [d_ff, d_model], down [d_model, d_ff] (dequantized)."""
+    g = matmul(gate, x) + (0 if gate_bias is None else gate_bias)
+    u = matmul(up, x) + (0 if up_bias is None else up_bias)
+    o = matmul(down, _act(g, u, act, alpha, limit)) + (0 if down_bias is None else down_bias)
+    return o if row_weight is None else o * row_weight.astype(np.float64)[:, None]
+
+
 # ---- small ops and attention
 
 

@@ -1,0 +1,54 @@
+"""Shared helpers for the kernel tests: ISA levels to run, named tolerances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.compute import ops
+
+# Max |y - ref| / (|x| @ |W|^T): f32 accumulation over cols <= ~1024 terms in a different
+# order than the float64 reference (about sqrt(cols) * 2^-24 in practice).
+MATMUL_TOL = 2e-6
+# ||y - ref|| / ||ref|| of the whole expert FFN (three chained f32 matmuls and expf/tanhf).
+FFN_TOL = 2e-5
+
+QUANT_TYPES = [ops.QType.Q4_0, ops.QType.Q4_1, ops.QType.Q8_0]
+FLOAT_TYPES = [ops.QType.F32, ops.QType.F16, ops.QType.BF16]
+ALL_TYPES = QUANT_TYPES + FLOAT_TYPES
+
+
+def _isa_param(level: ops.ISA):
+    reason = f"this CPU/build does not support {level.name} (best: {ops.best_isa().name})"
+    return pytest.param(
+        level,
+        id=level.name.lower(),
+        marks=pytest.mark.skipif(level > ops.best_isa(), reason=reason),
+    )
+
+
+ISA_PARAMS = [_isa_param(level) for level in ops.ISA]
+
+
+@pytest.fixture(params=ISA_PARAMS, name="isa")
+def isa_fixture(request):
+    """Run the test at one instruction-set level, restoring the previous level after."""
+    before = ops.isa()
+    ops.set_isa(request.param)
+    yield request.param
+    ops.set_isa(before)
+
+
+def random_weights(rng: np.random.Generator, qtype: ops.QType, rows: int, cols: int):
+    """(stored bytes [rows, row_nbytes], dequantized float32 [rows, cols]) via gguf."""
+    from colibri.compute import ref
+
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+    data = ref.quantize(w, qtype)
+    return data, ref.dequantize(data, qtype, (rows, cols))
+
+
+def matmul_err(y: np.ndarray, want: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
+    """Max error relative to the magnitude sum |x| @ |W|^T (robust to cancellation)."""
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T + 1e-30
+    return float(np.max(np.abs(y - want) / scale))

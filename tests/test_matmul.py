@@ -1,0 +1,85 @@
+"""clb_matmul at every ISA level against a float64 numpy reference and the scalar twin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.compute import ops, ref
+from colibri.errors import KernelError
+from tests.kernel_util import (
+    ALL_TYPES,
+    FLOAT_TYPES,
+    MATMUL_TOL,
+    isa_fixture,  # noqa: F401  (the `isa` fixture)
+    matmul_err,
+    random_weights,
+)
+
+SHAPES = [(1, 32), (13, 64), (67, 96), (40, 544)]  # rows not a multiple of 8/16, odd blocks
+
+
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("n", [1, 3, 8, 64])
+def test_matmul_vs_numpy(isa, qt, rows, cols, n):
+    rng = np.random.default_rng(rows * 1000 + cols + n)
+    data, w = random_weights(rng, qt, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    y = np.full((n, rows), np.nan, np.float32)
+    ops.matmul(data, qt, x, y)
+    assert matmul_err(y, ref.matmul(w, x), x, w) <= MATMUL_TOL
+
+
+@pytest.mark.parametrize("qt", FLOAT_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("cols", [1, 7, 33, 95])
+def test_float_formats_odd_widths(isa, qt, cols):
+    rng = np.random.default_rng(cols)
+    data, w = random_weights(rng, qt, 9, cols)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    y = ops.matmul(data, qt, x, np.empty((5, 9), np.float32))
+    assert matmul_err(y, ref.matmul(w, x), x, w) <= MATMUL_TOL
+
+
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
+def test_simd_matches_scalar_twin(isa, qt):
+    rng = np.random.default_rng(7)
+    data, w = random_weights(rng, qt, 37, 256)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    y = ops.matmul(data, qt, x, np.empty((6, 37), np.float32))
+    ops.set_isa(ops.ISA.SCALAR)
+    y_ref = ops.matmul(data, qt, x, np.empty((6, 37), np.float32))
+    assert matmul_err(y, y_ref, x, w) <= MATMUL_TOL
+
+
+def test_matvec_1d_threads_and_buffers(isa):
+    """1-D x/out, every buffer kind for w, identical results for any thread count."""
+    rng = np.random.default_rng(3)
+    data, w = random_weights(rng, ops.QType.Q4_0, 301, 2048)
+    x = rng.standard_normal(2048).astype(np.float32)
+    y1 = ops.matmul(data, "q4_0", x, np.empty(301, np.float32), nthreads=1)
+    for buf in (memoryview(data), bytes(data), bytearray(data.tobytes()), data.ravel()):
+        for nthreads in (0, 2, 3):
+            y = ops.matmul(buf, "q4_0", x, np.empty(301, np.float32), nthreads=nthreads)
+            np.testing.assert_array_equal(y, y1)
+    assert matmul_err(y1[None], ref.matmul(w, x[None]), x[None], w) <= MATMUL_TOL
+
+
+def test_matmul_bad_arguments():
+    w = np.zeros((4, ops.row_nbytes("q8_0", 64)), np.uint8)
+    x, y = np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
+    with pytest.raises(KernelError, match="w has 271 bytes"):
+        ops.matmul(w.ravel()[:-1], "q8_0", x, y)
+    with pytest.raises(KernelError, match="x must be a C-contiguous float32"):
+        ops.matmul(w, "q8_0", x.astype(np.float64), y)
+    with pytest.raises(KernelError, match="x must be a C-contiguous float32"):
+        ops.matmul(w, "q8_0", np.zeros((2, 128), np.float32)[:, ::2], y)
+    with pytest.raises(KernelError, match=r"\[n, cols\] and \[n, rows\]"):
+        ops.matmul(w, "q8_0", x, np.zeros((3, 4), np.float32))
+    with pytest.raises(KernelError, match="out must be writable"):
+        y.flags.writeable = False
+        ops.matmul(w, "q8_0", x, y)
+    with pytest.raises(KernelError, match="multiple of the block size"):
+        ops.matmul(w, "q8_0", np.zeros((2, 48), np.float32), np.zeros((2, 4), np.float32))
+    with pytest.raises(KernelError, match="w must be a numpy array"):
+        ops.matmul([0] * 136, "q8_0", x, np.zeros((2, 4), np.float32))
