@@ -1,0 +1,212 @@
+"""GGUF files -> store, read with the `gguf` package's GGUFReader.
+
+Expert tensors `blk.N.ffn_{gate,up,down}_exps.weight` (GGML dims [H, I, E] / [I, H, E], i.e.
+row-major [E, I, H] / [E, H, I]) in Q4_0, Q4_1, Q8_0, F16, BF16 or F32 are copied into records
+byte for byte, no requantization. Dense tensors are renamed to their HF names; a dense tensor
+already in its target storage type is copied bit-exact (rows un-permuted where llama.cpp
+permuted Q/K for its rope), any other is dequantized by gguf and requantized.
+
+Architectures: GGUF "llama" with experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe.
+The config is rebuilt from GGUF metadata in HF spelling. No tokenizer.json is made (transformers
+5 dropped its GGUF tokenizer converter); the store gets no tokenizer files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibri.convert import dense_qtype, progress, quantize
+from colibri.errors import ConversionError
+from colibri.io.format import ExpertLayout, StoreWriter
+
+# GGUF architecture -> (HF model_type, HF router name inside a layer)
+GGUF_ARCHS = {"llama": ("mixtral", "block_sparse_moe.gate"), "qwen3moe": ("qwen3_moe", "mlp.gate")}
+_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_TYPES["Q8_0"] = "q8_0"
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
+    architecture without experts or one not handled."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS or not _field(reader, f"{arch}.expert_count"):
+        raise ConversionError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: llama with experts "
+            "(Mixtral), qwen3moe"
+        )
+    model_type = GGUF_ARCHS[arch][0]
+
+    def get(key: str, default: Any = None) -> Any:
+        v = _field(reader, f"{arch}.{key}", default)
+        if v is None:
+            raise ConversionError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    H, nh = int(get("embedding_length")), int(get("attention.head_count"))
+    names = {t.name: t for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens else int(names["token_embd.weight"].shape[1])
+    cfg: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if arch == "llama" else "Qwen3MoeForCausalLM"],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": H,
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": nh,
+        "num_key_value_heads": int(get("attention.head_count_kv", nh)),
+        "head_dim": int(get("attention.key_length", H // nh)),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    if arch == "llama":
+        cfg["num_local_experts"] = int(get("expert_count"))
+        cfg["intermediate_size"] = int(get("feed_forward_length"))
+    else:
+        cfg["num_experts"] = int(get("expert_count"))
+        cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+        cfg["intermediate_size"] = int(get("feed_forward_length", 0))
+        cfg.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        v = _field(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[hf] = int(v)
+    return model_type, cfg
+
+
+def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (rope pairs interleaved ->
+    HF's rotate-half halves). Works on any row representation (floats or block bytes)."""
+    r = rows.shape[0]
+    return rows.reshape(n_head, r // n_head // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def convert_gguf(
+    src: Path, out: Path, quant: str, dense_quant: str, force: bool, show_progress: bool
+) -> Path:
+    """Convert GGUF file `src` into a store at `out` (see the module docstring). `quant` is
+    ignored for experts (their GGUF type is kept); `dense_quant` applies to dense weights."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(src)
+    except Exception as exc:  # the reader raises ValueError/KeyError/... on bad files
+        raise ConversionError(f"{src}: cannot read GGUF (truncated or malformed): {exc}") from None
+    model_type, cfg = gguf_config(reader, src)
+    router = GGUF_ARCHS[_field(reader, "general.architecture")][1]
+    H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    E = cfg.get("num_local_experts") or cfg["num_experts"]
+    I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # noqa: E741
+    experts: dict[int, dict[str, Any]] = {}
+    dense: list[tuple[str, Any]] = []
+    for t in reader.tensors:
+        tname = t.tensor_type.name
+        if m := _EXPERT.match(t.name):
+            if tname not in _TYPES:
+                raise ConversionError(f"{src}: not supported yet: tensor {t.name} has type {tname}")
+            want = [H, I, E] if m[2] != "down" else [I, H, E]  # GGML order: ne0 = columns
+            if [int(x) for x in t.shape] != want:
+                raise ConversionError(
+                    f"{src}: tensor {t.name} has GGML shape {list(t.shape)}, "
+                    f"metadata implies {want}"
+                )
+            experts.setdefault(int(m[1]), {})[m[2]] = t
+            continue
+        if t.name in _GLOBAL:
+            dense.append((_GLOBAL[t.name], t))
+        elif (
+            (m := _BLK.match(t.name))
+            and int(m[1]) < n
+            and (m[2] in _LAYER or m[2] == "ffn_gate_inp")
+        ):
+            hf = _LAYER.get(m[2], router)
+            dense.append((f"model.layers.{m[1]}.{hf}.weight", t))
+        else:
+            raise ConversionError(f"{src}: unexpected tensor {t.name}")
+    if sorted(experts) != list(range(n)):
+        raise ConversionError(
+            f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
+        )
+    types = set()
+    for layer, parts in experts.items():
+        for role in ("gate", "up", "down"):
+            if role not in parts:
+                raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{role}_exps.weight")
+            types.add(_TYPES[parts[role].tensor_type.name])
+    if len(types) != 1:
+        raise ConversionError(f"{src}: expert tensors mix types {sorted(types)}; not supported yet")
+    qtype = types.pop()
+    layout = ExpertLayout.build(qtype, H, I)
+    dense.sort(key=lambda x: (int(x[0].split(".")[2]) if ".layers." in x[0] else -1, x[0]))
+    plan = []
+    for hf, t in dense:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if len(shape) == 2 and shape[0] == 1 and hf.endswith("norm.weight"):
+            shape = shape[1:]
+        plan.append((hf, dense_qtype(hf, shape, dense_quant), shape, t))
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    with StoreWriter(out, layout, force=force) as w:
+        w.begin_dense([(hf, qt, shape) for hf, qt, shape, _ in plan])
+        bar = progress(total, f"convert {src.name}") if show_progress else None
+        for hf, qt, shape, t in plan:
+            w.write_dense(hf, _dense_data(t, hf, qt, shape, cfg))
+            if bar is not None:
+                bar.update(int(t.n_bytes))
+        for layer in range(n):
+            p = experts[layer]
+            for e in range(E):
+                w.write_expert(
+                    layer, e, {r: np.asarray(p[r].data[e]) for r in ("gate", "up", "down")}
+                )
+            if bar is not None:
+                bar.update(sum(int(p[r].n_bytes) for r in p))
+        if bar is not None:
+            bar.close()
+        return w.finish(model_type, cfg, {"kind": "gguf", "name": src.name})
+
+
+def _dense_data(t: Any, hf: str, qtype: str, shape: tuple[int, ...], cfg: dict) -> np.ndarray:
+    """The stored form of GGUF tensor `t` as dense `qtype`: its own bytes when the types agree,
+    else dequantized (gguf.quants) and requantized; Q/K rows un-permuted for Mixtral."""
+    from gguf.quants import dequantize
+
+    src_type = _TYPES.get(t.tensor_type.name)
+    perm = None
+    if cfg["model_type"] == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        perm = cfg["num_attention_heads"] if "q_proj" in hf else cfg["num_key_value_heads"]
+    data = np.asarray(t.data)
+    if src_type == qtype:
+        x = data.reshape(shape[0], -1) if len(shape) == 2 else data.reshape(shape)
+    else:
+        f = dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
+        x = quantize(f, qtype)
+    return _unpermute(x, perm) if perm else x

@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""Write a store of random weights in the exact shape of a real MoE model, for benchmarks.
+
+No float pass: weights are random GGML blocks (random nibbles / int8s) whose f16 scales are
+drawn from [5e-4, 3e-3], so every weight is finite and |w| <= 0.024 (q4) or 0.38 (q8_0).
+Records are slices of one random pool taken at random block-aligned offsets, so writing runs
+at disk speed; each record still gets its own xxh3. Real tokenizers come from
+../shared/data/tokenizers when present.
+
+    python tools/synth_store.py qwen3-30b-a3b /tmp/stores/qwen3-30b-a3b-q4_0
+    python tools/synth_store.py mixtral-8x7b OUT --layers 4 --quant q8_0
+    python tools/synth_store.py deepseek-v3 OUT --scale 0.125      # 32 of 256 experts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from colibri.convert import dense_qtype  # noqa: E402
+from colibri.io.format import (  # noqa: E402
+    BLOCK_QTYPES,
+    QTYPES,
+    ExpertLayout,
+    StoreWriter,
+    dense_dtype_shape,
+    tensor_nbytes,
+)
+
+TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
+
+MODELS: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2, "router_aux_loss_coef": 0.02,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "attention_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304,
+        "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "clip_qkv": None, "attention_bias": False, "tie_word_embeddings": False,
+        "eos_token_id": 50279, "pad_token_id": 1,
+    },
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 0,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    },
+}  # fmt: skip
+# model -> [(file in TOKENIZERS, name in the store)]; .xz is decompressed, .model converted
+TOKENIZER_SOURCES = {
+    "mixtral-8x7b": [("mixtral_mistral/tokenizer.model.v1", "tokenizer.json")],
+    "qwen3-30b-a3b": [
+        ("qwen/qwen3_tokenizer.json.xz", "tokenizer.json"),
+        ("qwen/qwen3_tokenizer_config.json", "tokenizer_config.json"),
+    ],
+    "olmoe-1b-7b": [("olmoe/allenai_gpt-neox-olmo-dolma-v1_5.json", "tokenizer.json")],
+    "deepseek-v3": [
+        ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
+        ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
+    ],
+}
+
+
+def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> dict[str, Any]:
+    """The HF config of `model`, with `layers` layers and the routed experts scaled by
+    `scale` (at least top-k experts, a multiple of n_group for DeepSeek)."""
+    cfg = json.loads(json.dumps(MODELS[model]))
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    if scale != 1.0:
+        key = next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in cfg)
+        mult = cfg.get("n_group", 1)
+        n = max(cfg["num_experts_per_tok"], round(cfg[key] * scale / mult) * mult)
+        cfg[key] = max(n, mult)
+    return cfg
+
+
+def expert_shape(cfg: dict[str, Any]) -> tuple[int, int, list[int]]:
+    """(num_experts, d_ff, MoE layer ids) of `cfg`."""
+    n = cfg["num_hidden_layers"]
+    E = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
+    d_ff = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    if cfg["model_type"] == "deepseek_v3":
+        return E, d_ff, list(range(min(cfg["first_k_dense_replace"], n), n))
+    return E, d_ff, list(range(n))
+
+
+def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every dense tensor's HF name and shape for `cfg` (mixtral, qwen3_moe, olmoe,
+    deepseek_v3), layer by layer."""
+    mt, H, V = cfg["model_type"], cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nh
+    E, _, moe = expert_shape(cfg)
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (V, H))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,))]
+        if mt == "deepseek_v3":
+            ql, kvl, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+            nope, vd = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            a = p + "self_attn."
+            out += [
+                (a + "q_a_proj.weight", (ql, H)), (a + "q_a_layernorm.weight", (ql,)),
+                (a + "q_b_proj.weight", (nh * (nope + rope), ql)),
+                (a + "kv_a_proj_with_mqa.weight", (kvl + rope, H)),
+                (a + "kv_a_layernorm.weight", (kvl,)),
+                (a + "kv_b_proj.weight", (nh * (nope + vd), kvl)),
+                (a + "o_proj.weight", (H, nh * vd)),
+            ]  # fmt: skip
+            if i in moe:
+                sh = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+                out += [
+                    (p + "mlp.gate.weight", (E, H)), (p + "mlp.gate.e_score_correction_bias", (E,)),
+                    (p + "mlp.shared_experts.gate_proj.weight", (sh, H)),
+                    (p + "mlp.shared_experts.up_proj.weight", (sh, H)),
+                    (p + "mlp.shared_experts.down_proj.weight", (H, sh)),
+                ]  # fmt: skip
+            else:
+                ff = cfg["intermediate_size"]
+                out += [(p + "mlp.gate_proj.weight", (ff, H)), (p + "mlp.up_proj.weight", (ff, H)),
+                        (p + "mlp.down_proj.weight", (H, ff))]  # fmt: skip
+            continue
+        a = p + "self_attn."
+        out += [
+            (a + "q_proj.weight", (nh * hd, H)), (a + "k_proj.weight", (nkv * hd, H)),
+            (a + "v_proj.weight", (nkv * hd, H)), (a + "o_proj.weight", (H, nh * hd)),
+        ]  # fmt: skip
+        if mt == "qwen3_moe":
+            out += [(a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+        if mt == "olmoe":
+            out += [(a + "q_norm.weight", (nh * hd,)), (a + "k_norm.weight", (nkv * hd,))]
+        block = "block_sparse_moe" if mt == "mixtral" else "mlp"
+        out.append((f"{p}{block}.gate.weight", (E, H)))
+    out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+    return out
+
+
+class BlockPool:
+    """`nbytes` of random `qtype` blocks with small positive f16 scales (and q4_1 minimums
+    -8*d, so both q4 formats center on zero); `take(n)` returns n bytes starting at a random
+    block boundary."""
+
+    def __init__(self, qtype: str, nbytes: int, rng: np.random.Generator) -> None:
+        _, bsz = QTYPES[qtype]
+        nblocks = nbytes // bsz + 1
+        blocks = np.frombuffer(rng.bytes(nblocks * bsz), np.uint8).reshape(nblocks, bsz).copy()
+        d = rng.uniform(5e-4, 3e-3, nblocks).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        if qtype == "q4_1":
+            blocks[:, 2:4] = (-8 * d).view(np.uint8).reshape(-1, 2)
+        self.data, self.bsz, self.rng = blocks.reshape(-1), bsz, rng
+        self.nblocks = nblocks
+
+    def take(self, n: int) -> memoryview:
+        need = -(-n // self.bsz)
+        start = int(self.rng.integers(0, self.nblocks - need + 1)) * self.bsz
+        return memoryview(self.data[start : start + n])
+
+
+def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(("bias", "e_score_correction_bias")):
+        return np.zeros(shape, np.float32)
+    return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _tokenizer_files(model: str) -> list[tuple[str, bytes]]:
+    files = []
+    for rel, name in TOKENIZER_SOURCES.get(model, []):
+        path = TOKENIZERS / rel
+        if not path.is_file():
+            print(f"note: {path} absent; store gets no {name}", file=sys.stderr)
+            continue
+        if rel.endswith(".xz"):
+            files.append((name, lzma.decompress(path.read_bytes())))
+        elif ".model" in rel:
+            from colibri.convert.hf import spm_to_tokenizer_json
+
+            files.append((name, spm_to_tokenizer_json(path)))
+        else:
+            files.append((name, path.read_bytes()))
+    return files
+
+
+def synth_store(
+    model: str,
+    out: Path,
+    *,
+    quant: str = "q4_0",
+    dense_quant: str = "q8_0",
+    layers: int | None = None,
+    scale: float = 1.0,
+    seed: int = 0,
+    force: bool = False,
+    show_progress: bool = True,
+) -> Path:
+    """Write a random store shaped like `model` (a key of MODELS) to `out`; returns `out`.
+    Raises SystemExit if the disk lacks room (store size + 1 GiB)."""
+    if quant not in BLOCK_QTYPES or dense_quant not in BLOCK_QTYPES:
+        raise SystemExit(f"quant types must be one of {BLOCK_QTYPES}")
+    cfg = model_config(model, layers, scale)
+    E, d_ff, moe = expert_shape(cfg)
+    layout = ExpertLayout.build(quant, cfg["hidden_size"], d_ff)
+    plan = [(n, dense_qtype(n, s, dense_quant), s) for n, s in dense_tensors(cfg)]
+    dense_nbytes = sum(tensor_nbytes(q, s) for _, q, s in plan)
+    total = dense_nbytes + len(moe) * E * layout.record_nbytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < total + (1 << 30):
+        raise SystemExit(
+            f"{out.parent}: {free / 2**30:.1f} GiB free, the store needs {total / 2**30:.1f} GiB"
+            " (+1 GiB margin); try --layers or --scale"
+        )
+    rng = np.random.default_rng(seed)
+    biggest = max(max(t.nbytes for t in layout.tensors.values()), 1 << 20)
+    pools = {q: BlockPool(q, max(64 << 20, 2 * biggest), rng) for q in {quant, dense_quant}}
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model,
+               disable=not show_progress)  # fmt: skip
+    with StoreWriter(out, layout, force=force) as w:
+        w.begin_dense(plan)
+        for name, qtype, shape in plan:
+            _, stored = dense_dtype_shape(qtype, shape)
+            if qtype in BLOCK_QTYPES:
+                rows, rb = stored
+                step = max(1, (32 << 20) // rb)
+                for r in range(0, rows, step):
+                    w.write_dense(name, pools[qtype].take(min(step, rows - r) * rb))
+            else:
+                w.write_dense(name, _float_tensor(name, shape, rng))
+            bar.update(tensor_nbytes(qtype, shape))
+        pool = pools[quant]
+        for layer in moe:
+            for e in range(E):
+                w.write_expert(
+                    layer, e, {k: pool.take(t.nbytes) for k, t in layout.tensors.items()}
+                )
+                bar.update(layout.record_nbytes)
+        for name, data in _tokenizer_files(model):
+            w.add_file(name, data)
+        source = {"kind": "synthetic", "name": model, "seed": seed, "scale": scale}
+        path = w.finish(cfg["model_type"], cfg, source)
+    bar.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--quant", default="q4_0", choices=BLOCK_QTYPES, help="expert weights")
+    ap.add_argument("--dense-quant", default="q8_0", choices=BLOCK_QTYPES)
+    ap.add_argument("--layers", type=int, help="number of layers (default: the model's)")
+    ap.add_argument(
+        "--scale", type=float, default=None,
+        help="fraction of routed experts kept (default 1; deepseek-v3: 0.125)",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="replace an existing OUT")
+    args = ap.parse_args(argv)
+    scale = args.scale if args.scale is not None else (0.125 if args.model == "deepseek-v3" else 1)
+    t0 = time.perf_counter()
+    path = synth_store(
+        args.model, args.out, quant=args.quant, dense_quant=args.dense_quant,
+        layers=args.layers, scale=scale, seed=args.seed, force=args.force,
+    )  # fmt: skip
+    size = sum(f.stat().st_size for f in path.iterdir())
+    dt = time.perf_counter() - t0
+    print(f"wrote {path}: {size / 1e9:.2f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
