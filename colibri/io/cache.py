@@ -43,7 +43,6 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from colibri.errors import StoreError
@@ -149,7 +148,8 @@ class LFRUPolicy(_HeapPolicy):
 
     def _bump(self, key: Hashable) -> float:
         self._t += 1
-        return float(np.logaddexp2(self._score.get(key, -math.inf), self._t / self.halflife))
+        a, b = self._score.get(key, -math.inf), self._t / self.halflife
+        return b + math.log2(1.0 + 2.0 ** (a - b))  # log2(2^a + 2^b), a < b
 
 
 def make_policy(name: str, num_slots: int, halflife: float | None = None) -> Any:
@@ -224,6 +224,7 @@ class CacheStatistics:
 class _Entry:
     __slots__ = (
         "demanded",
+        "fresh",
         "fut",
         "key",
         "pending",
@@ -243,6 +244,7 @@ class _Entry:
         self.pending = 0  # requests not yet consumed by a get
         self.prefetched = False
         self.demanded = False
+        self.fresh = False  # started by a demand miss no get has counted yet
         self.task: asyncio.Task | None = None
 
 
@@ -382,20 +384,20 @@ class ExpertCache:
         self.usage[key] += 1
         self._policy.access(key)
         entry = self._entries.get(key)
-        if entry is not None and entry.pending:
-            entry.pending -= 1  # consume the request's reservation as our reference
-            self._n["misses"] += 1
-        elif entry is not None:
-            entry.refs += 1
-            if entry.ready:
-                self._n["hits"] += 1
-            else:
-                self._n["misses"] += 1
-                self._n["prefetch_late"] += entry.prefetched and not entry.demanded
-        else:
+        if entry is None:
             entry = self._entry_for(key, DEMAND)
+        if entry.pending:
+            entry.pending -= 1  # a request's reservation becomes our reference
+        else:
             entry.refs += 1
+        if entry.fresh:  # this demand started the read (here or in `request`)
+            entry.fresh = False
             self._n["misses"] += 1
+        elif entry.ready:
+            self._n["hits"] += 1
+        else:
+            self._n["misses"] += 1
+            self._n["prefetch_late"] += entry.prefetched and not entry.demanded
         first = not entry.demanded
         entry.demanded = True
         if first and entry.prefetched:
@@ -425,6 +427,7 @@ class ExpertCache:
                 raise RuntimeError("ExpertCache is closed")
             entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
             self._entries[key] = entry
+            entry.fresh = True
             entry.task = asyncio.get_running_loop().create_task(self._load(entry, priority))
         return entry
 
