@@ -6,12 +6,7 @@ import numpy as np
 import pytest
 
 from colibri.compute import ops
-
-# Max |y - ref| / (|x| @ |W|^T): f32 accumulation over cols <= ~1024 terms in a different
-# order than the float64 reference (about sqrt(cols) * 2^-24 in practice).
-MATMUL_TOL = 2e-6
-# ||y - ref|| / ||ref|| of the whole expert FFN (three chained f32 matmuls and expf/tanhf).
-FFN_TOL = 2e-5
+from colibri.compute.selfcheck import FFN_TOL, MATMUL_TOL, matmul_err  # named tolerances
 
 QUANT_TYPES = [ops.QType.Q4_0, ops.QType.Q4_1, ops.QType.Q8_0]
 FLOAT_TYPES = [ops.QType.F32, ops.QType.F16, ops.QType.BF16]
@@ -48,7 +43,4 @@ def random_weights(rng: np.random.Generator, qtype: ops.QType, rows: int, cols: 
     return data, ref.dequantize(data, qtype, (rows, cols))
 
 
-def matmul_err(y: np.ndarray, want: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
-    """Max error relative to the magnitude sum |x| @ |W|^T (robust to cancellation)."""
-    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T + 1e-30
-    return float(np.max(np.abs(y - want) / scale))
+__all__ = ["FFN_TOL", "MATMUL_TOL", "matmul_err"]

@@ -83,3 +83,11 @@ def test_matmul_bad_arguments():
         ops.matmul(w, "q8_0", np.zeros((2, 48), np.float32), np.zeros((2, 4), np.float32))
     with pytest.raises(KernelError, match="w must be a numpy array"):
         ops.matmul([0] * 136, "q8_0", x, np.zeros((2, 4), np.float32))
+
+
+def test_selfcheck_cli(capsys):
+    from colibri.cli import main
+
+    assert main(["selfcheck", "--isa", "scalar", "--isa", "avx512"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul" in out and "expert_ffn" in out and " checks passed" in out
