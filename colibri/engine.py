@@ -12,7 +12,9 @@ streams may run at once on one engine; they share the expert cache and the compu
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
+from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,8 @@ from colibri.io.slab import SlabPool
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
 from colibri.registry import model_spec
+from colibri.sampling import Sampler, SamplingParams
+from colibri.tokenizer import StopChecker, Tokenizer
 
 DEFAULT_N_CTX = 4096
 
@@ -72,6 +76,47 @@ class EngineOptions:
     verify: bool = True
 
 
+@dataclass(frozen=True)
+class GenerationStatistics:
+    """One stream's figures. Times in seconds; ttft: from the call to the first token;
+    decode_tok_s: generated tokens after the first / their time. hit_rate, bytes_read:
+    expert cache figures while this stream ran (shared with concurrent streams)."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft: float
+    decode_tok_s: float
+    total_seconds: float
+    hit_rate: float
+    bytes_read: int
+    wait_io_seconds: float
+    compute_seconds: float
+
+    @property
+    def bytes_read_per_token(self) -> float:
+        return self.bytes_read / max(1, self.generated_tokens)
+
+
+@dataclass(frozen=True)
+class Token:
+    """One item of engine.stream().
+
+    text: the new text (may be "" while a multi-byte character or a possible stop string is
+    held back). token_id: the sampled id (None on a final item that only flushes text).
+    logprob: its log-probability under the processed distribution; top_logprobs: (id,
+    logprob) alternatives when asked for. finish_reason: None, or on the last item "stop"
+    (EOS or a stop string), "length" (max_tokens or the context is full) or "cancelled"
+    (the engine was closed). statistics: on the last item only.
+    """
+
+    text: str
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    statistics: GenerationStatistics | None = None
+
+
 class Sequence:
     """One conversation's state: its KV cache and the tokens it has seen."""
 
@@ -105,6 +150,11 @@ class Engine:
         self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
         self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
+        self.tokenizer: Tokenizer | None = None
+        if (store.path / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer.from_dir(store.path)
+        self.prefill_chunk = 256
+        self._closing = False
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
         """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
@@ -123,12 +173,142 @@ class Engine:
         seq.tokens.extend(tokens)
         return logits
 
+    def encode_prompt(
+        self, prompt: str | Seq[Mapping[str, Any]], **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of a plain-text prompt (with the tokenizer's BOS handling) or of chat
+        messages rendered with the model's chat template and a generation prompt.
+        Raises TokenizerError when the store has no tokenizer or no chat template."""
+        tok = self._tokenizer()
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            from colibri.tokenizer import TokenizerError
+
+            raise TokenizerError(f"{self.store.path}: the store has no tokenizer.json")
+        return self.tokenizer
+
+    async def stream(
+        self,
+        prompt: str | Seq[Mapping[str, Any]] | Seq[int],
+        *,
+        max_tokens: int = 256,
+        template_kwargs: Mapping[str, Any] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Token]:
+        """Generate from a prompt: a string, chat messages ([{"role", "content"}, ...], rendered
+        with the chat template), or token ids.
+
+        sampling: SamplingParams fields (temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, seed, logprobs, stop); temperature 0 is greedy.
+        Yields Token items; the last one carries finish_reason and statistics. Breaking out
+        of the loop or cancelling the task stops generation and releases every expert
+        record it held. Raises SamplingError (bad sampling values), TokenizerError, and
+        ColibriError when the prompt does not fit in the context.
+        """
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        t0 = time.perf_counter()
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
+            ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ColibriError("empty prompt")
+        seq = self.new_sequence()
+        if len(ids) >= seq.kv.n_ctx:
+            raise ColibriError(
+                f"prompt too long: {len(ids)} tokens, context length {seq.kv.n_ctx} "
+                "(set n_ctx / --ctx)"
+            )
+        sampler = Sampler(params)
+        tok = self.tokenizer
+        eos = tok.eos_token_ids if tok is not None else frozenset()
+        decoder = tok.stream_decoder(ids) if tok is not None else None
+        stops = StopChecker(params.stop)
+        c0, times0 = self.cache.statistics(), _times(self.pipeline)
+        out: list[int] = []
+        t_first = None
+        finish = "length"
+        try:
+            for start in range(0, len(ids), self.prefill_chunk):
+                logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
+            while len(out) < max_tokens:
+                if self._closing:
+                    finish = "cancelled"
+                    break
+                s = sampler.sample(logits, ids, out)
+                out.append(s.token_id)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if s.token_id in eos:
+                    finish = "stop"
+                    yield Token("", s.token_id, s.logprob, s.top_logprobs)
+                    break
+                text = decoder.push(s.token_id) if decoder is not None else ""
+                text, stopped = stops.push(text)
+                yield Token(text, s.token_id, s.logprob, s.top_logprobs)
+                if stopped:
+                    finish = "stop"
+                    break
+                if len(out) >= max_tokens:
+                    break
+                if seq.length + 1 > seq.kv.n_ctx:
+                    break
+                logits = await self.forward(seq, [s.token_id])
+        finally:
+            seq.kv = None  # type: ignore[assignment]  # free the KV cache now
+        tail = ""
+        if finish != "stop" and decoder is not None:
+            tail, _ = stops.push(decoder.flush())
+            tail += stops.flush()
+        t_end = time.perf_counter()
+        c1, times1 = self.cache.statistics(), _times(self.pipeline)
+        hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
+        t_first = t_first or t_end
+        stats = GenerationStatistics(
+            prompt_tokens=len(ids),
+            generated_tokens=len(out),
+            ttft=t_first - t0,
+            decode_tok_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
+            total_seconds=t_end - t0,
+            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
+            bytes_read=c1.bytes_read - c0.bytes_read,
+            wait_io_seconds=times1[0] - times0[0],
+            compute_seconds=times1[1] - times0[1],
+        )
+        yield Token(tail, None, finish_reason=finish, statistics=stats)
+
+    async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
+        """The whole completion as one string (same arguments as stream())."""
+        return "".join([t.text async for t in self.stream(prompt, **kw)])
+
+    def statistics(self) -> dict[str, Any]:
+        """The engine's figures: cache, prefetcher, reader, slab pool, pipeline times."""
+        return {
+            "cache": self.cache.statistics(),
+            "prefetch": self.prefetcher.statistics() if self.prefetcher else None,
+            "reader": self.reader.statistics(),
+            "slab": self.pool.statistics(),
+            "pipeline": self.pipeline.times,
+            "dense_nbytes": self.model.dense_nbytes,
+        }
+
     async def aclose(self) -> None:
-        """Release the cache, the reader and the compute thread."""
+        """Release the cache, the reader and the compute thread. Streams still running end
+        with finish_reason "cancelled" at their next token."""
+        self._closing = True
         self.pipeline.close()
         await self.cache.aclose()
         await self.reader.aclose()
         self.pool.close()
+
+
+def _times(pipeline: Pipeline) -> tuple[float, float]:
+    return pipeline.times.wait_io, pipeline.times.compute
 
 
 @asynccontextmanager

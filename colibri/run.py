@@ -1,0 +1,236 @@
+"""`colibri run` and `colibri chat`: stream text from a store in the terminal.
+
+run streams the answer to one prompt, then prints one statistics line (tokens, TTFT, tok/s,
+hit rate, bytes read per token, resident memory). chat is a multi-turn REPL that renders the
+conversation with the model's chat template. Ctrl-C stops the current answer (chat goes on;
+run exits after printing what it has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
+
+DEMO_STORE = Path(__file__).parent / "data" / "demo"
+DEMO_PROMPT = "The for statement"
+
+
+def parse_size(text: str) -> int:
+    """'512M', '4G', '1.5GiB', '123456' -> bytes. Raises ValueError naming the value."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by run, chat and the benchmarks."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--budget",
+        "--ram-budget",
+        "--expert-cache",
+        dest="budget",
+        type=parse_size,
+        help="bytes of RAM for the expert cache, e.g. 4G (default: all experts if they fit in "
+        "half the available memory, else that half)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=("lru", "lfu", "lfru"),
+        default="lru",
+        help="expert cache eviction policy (default lru)",
+    )
+    g.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="do not predict and prefetch the next layer's experts",
+    )
+    g.add_argument(
+        "--io",
+        choices=("auto", "uring", "threads", "mmap"),
+        default="auto",
+        help="expert reader backend (default: io_uring if available, else threads)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=0, help="kernel threads (default: physical cores)"
+    )
+    g.add_argument(
+        "--ctx",
+        dest="n_ctx",
+        type=int,
+        default=DEFAULT_N_CTX,
+        help=f"context length in tokens (default {DEFAULT_N_CTX})",
+    )
+    g.add_argument(
+        "--kv",
+        dest="kv_dtype",
+        choices=("f32", "f16"),
+        default="f32",
+        help="KV cache precision (default f32)",
+    )
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a store made by `colibri convert` (default: the embedded demo model)",
+    )
+    p.add_argument("-p", "--prompt", default=None, help="the prompt (default: a demo prompt)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as one user message",
+    )
+    add_sampling_options(p)
+    add_engine_options(p)
+
+
+def configure_chat_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
+    p.add_argument("--system", default=None, help="a system message")
+    add_sampling_options(p)
+    add_engine_options(p)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        budget=args.budget,
+        policy=args.policy,
+        prefetch=args.prefetch,
+        io=args.io,
+        threads=args.threads,
+        n_ctx=args.n_ctx,
+        kv_dtype=args.kv_dtype,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    return Path(args.model) if args.model else DEMO_STORE
+
+
+def resident_memory() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    return out.get("VmRSS", 0), out.get("VmHWM", 0)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n < (1 << 30) else f"{n / (1 << 30):.2f} GiB"
+
+
+def statistics_line(stats: GenerationStatistics, finish: str) -> str:
+    rss, peak = resident_memory()
+    return (
+        f"[{stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens, "
+        f"{finish}; TTFT {stats.ttft * 1000:.0f} ms; {stats.decode_tok_s:.1f} tok/s; "
+        f"hit rate {stats.hit_rate:.1%}; read {_mib(stats.bytes_read_per_token)}/token; "
+        f"RSS {_mib(rss)} (peak {_mib(peak)})]"
+    )
+
+
+async def _print_stream(engine: Engine, prompt: Any, sampling: dict[str, Any]) -> str:
+    """Stream one answer to stdout; returns its text. Ctrl-C (cancellation) ends it early."""
+    text = []
+    async for tok in engine.stream(prompt, **sampling):
+        sys.stdout.write(tok.text)
+        sys.stdout.flush()
+        text.append(tok.text)
+        if tok.statistics is not None:
+            print("\n" + statistics_line(tok.statistics, tok.finish_reason or ""), file=sys.stderr)
+    return "".join(text)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    path = _model_path(args)
+    prompt: Any = args.prompt if args.prompt is not None else DEMO_PROMPT
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    async with open_engine(path, **_engine_options(args)) as engine:
+        if isinstance(prompt, str):
+            sys.stdout.write(prompt)
+        await _print_stream(engine, prompt, _sampling(args))
+    return 0
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    loop = asyncio.get_running_loop()
+    async with open_engine(_model_path(args), **_engine_options(args)) as engine:
+        print(
+            "colibri chat: empty line or Ctrl-D to quit, Ctrl-C stops an answer.", file=sys.stderr
+        )
+        while True:
+            try:
+                line = await loop.run_in_executor(None, input, "> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            task = asyncio.ensure_future(_print_stream(engine, messages, _sampling(args)))
+            loop.add_signal_handler(signal.SIGINT, task.cancel)  # Ctrl-C stops this answer
+            try:
+                answer = await task
+            except asyncio.CancelledError:
+                answer = ""
+                print("\n[stopped]", file=sys.stderr)
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
+            messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def run_chat_cli(args: argparse.Namespace) -> int:
+    return asyncio.run(_chat(args))
