@@ -1,0 +1,207 @@
+"""The store format: StoreWriter -> open_store round trip, and every validation failure named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import xxhash
+
+from colibri.cli import main
+from colibri.errors import StoreError
+from colibri.io.format import (
+    RECORD_ALIGN,
+    TENSOR_ALIGN,
+    ExpertLayout,
+    StoreWriter,
+    open_store,
+    row_nbytes,
+)
+
+D_MODEL, D_FF, LAYERS, EXPERTS = 64, 96, (1, 2), 3
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits by truncation (the test's values are exactly representable)."""
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def make_store(path, *, biases=False, seed=0):
+    """A small store with random records and one dense tensor of each storage type; returns
+    (path, {(layer, expert): record bytes}, {name: expected Store.dense() array})."""
+    rng = np.random.default_rng(seed)
+    layout = ExpertLayout.build("q4_0", D_MODEL, D_FF, biases=biases)
+    f32 = rng.standard_normal((5, 64)).astype(np.float32)
+    bf = (rng.standard_normal(64).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    f16 = rng.standard_normal((2, 32)).astype(np.float16)
+    q8 = rng.integers(0, 255, (4, row_nbytes("q8_0", 64)), dtype=np.uint8)
+    plan = [
+        ("model.embed_tokens.weight", "q8_0", (4, 64)),
+        ("model.layers.1.mlp.gate.weight", "f32", (5, 64)),
+        ("model.norm.weight", "bf16", (64,)),
+        ("lm_head.weight", "f16", (2, 32)),
+    ]
+    records = {}
+    with StoreWriter(path, layout) as w:
+        w.begin_dense(plan)
+        w.write_dense("model.embed_tokens.weight", q8[:3])  # in two pieces
+        w.write_dense("model.embed_tokens.weight", q8[3:])
+        w.write_dense("model.layers.1.mlp.gate.weight", f32)
+        w.write_dense("model.norm.weight", bf16_bits(bf))
+        w.write_dense("lm_head.weight", f16)
+        for layer in LAYERS:
+            for e in range(EXPERTS):
+                parts = {k: rng.bytes(t.nbytes) for k, t in layout.tensors.items()}
+                w.write_expert(layer, e, parts)
+                buf = bytearray(layout.record_nbytes)
+                for k, t in layout.tensors.items():
+                    buf[t.offset : t.offset + t.nbytes] = parts[k]
+                records[(layer, e)] = bytes(buf)
+        w.add_file("tokenizer.json", b"{}")
+        w.finish("qwen3_moe", {"num_hidden_layers": 3, "num_experts_per_tok": 2}, {"kind": "t"})
+    dense = {
+        "model.embed_tokens.weight": q8,
+        "model.layers.1.mlp.gate.weight": f32,
+        "model.norm.weight": bf,
+        "lm_head.weight": f16.astype(np.float32),
+    }
+    return path, records, dense
+
+
+def test_round_trip(tmp_path):
+    path, records, dense = make_store(tmp_path / "s")
+    s = open_store(path)
+    assert s.model_type == "qwen3_moe" and s.config["num_experts_per_tok"] == 2
+    assert s.moe_layers == list(LAYERS) and s.num_experts == EXPERTS
+    assert s.layout.d_model == D_MODEL and s.layout.d_ff == D_FF
+    assert s.layout.record_nbytes % RECORD_ALIGN == 0
+    assert all(t.offset % TENSOR_ALIGN == 0 for t in s.layout.tensors.values())
+    assert s.layout.tensors["down"].shape == (D_MODEL, D_FF)
+    blob = s.experts_path.read_bytes()
+    assert len(blob) == len(records) * s.layout.record_nbytes
+    for (layer, e), want in records.items():
+        r = s.record(layer, e)
+        assert r.offset % RECORD_ALIGN == 0
+        assert blob[r.offset : r.offset + r.nbytes] == want
+        assert r.xxh3 == xxhash.xxh3_64_intdigest(want)
+        s.verify_record(r, want)
+    s.verify_all()
+    assert s.dense_names() == list(dense)
+    for name, want in dense.items():
+        arr, qtype, _shape = s.dense(name)
+        assert arr.dtype == (np.uint8 if qtype == "q8_0" else np.float32)
+        np.testing.assert_array_equal(arr, want)
+    assert s.manifest["tokenizer_files"] == ["tokenizer.json"]
+    with pytest.raises(KeyError):
+        s.record(0, 0)
+
+
+def test_gpt_oss_style_biases_layout():
+    lay = ExpertLayout.build("q8_0", 2880, 2880, biases=True)
+    assert list(lay.tensors) == ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]
+    assert lay.tensors["down_bias"].shape == (2880,) and lay.tensors["gate_bias"].qtype == "f32"
+    ends = [t.offset + t.nbytes for t in lay.tensors.values()]
+    assert max(ends) <= lay.record_nbytes < max(ends) + RECORD_ALIGN
+
+
+def test_cut_short_and_flipped_byte(tmp_path):
+    path, _records, _ = make_store(tmp_path / "s")
+    s = open_store(path)
+    rec = s.record(2, 1)
+    with open(s.experts_path, "r+b") as f:  # flip one byte inside layer 2 expert 1
+        f.seek(rec.offset + 100)
+        b = f.read(1)
+        f.seek(rec.offset + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(StoreError, match=r"experts\.bin: 1 record\(s\) fail .*layer/expert: 2/1"):
+        open_store(path).verify_all()
+    bad = s.experts_path.read_bytes()[rec.offset : rec.offset + rec.nbytes]
+    with pytest.raises(StoreError, match=r"checksum mismatch in layer 2 expert 1"):
+        s.verify_record(rec, bad)
+    assert main(["inspect", str(path), "--verify"]) == 1
+    assert main(["inspect", str(path)]) == 0
+    with open(s.experts_path, "r+b") as f:
+        f.truncate(rec.offset)
+    with pytest.raises(StoreError, match=r"experts\.bin: size \d+ bytes, .* \(file cut short\)"):
+        open_store(path)
+    assert main(["inspect", str(path)]) == 1
+
+
+def _edit_manifest(path, fn):
+    m = json.loads((path / "manifest.json").read_text())
+    fn(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "edit,pattern",
+    [
+        (lambda m: m.update(version=2), r"store version 2, this colibri reads version 1"),
+        (lambda m: m.update(format="x"), r"manifest\.json: field 'format'"),
+        (lambda m: m.pop("expert_layout"), r"manifest\.json: missing field 'expert_layout'"),
+        (lambda m: m["experts"][1].update(offset=100), r"experts\[1\]\.offset 100 is not a"),
+        (lambda m: m["experts"][1].update(nbytes=8192), r"experts\[1\]\.nbytes 8192 != record"),
+        (lambda m: m["experts"].pop(4), r"experts: layer 2 lacks experts \[1\]"),
+        (lambda m: m["experts"][2].update(expert=0), r"experts\[2\]: duplicate record"),
+        (lambda m: m["experts"][0].pop("xxh3"), r"experts\[0\]: missing or malformed field"),
+        (lambda m: m.update(experts_nbytes=1), r"experts\.bin: size \d+ bytes, manifest .* 1$"),
+        (
+            lambda m: m["expert_layout"]["tensors"]["up"].update(offset=1153),
+            r"expert_layout\.tensors\.up\.offset 1153 is not a multiple of 64",
+        ),
+        (
+            lambda m: m["expert_layout"]["tensors"]["down"].update(shape=[96, 64]),
+            r"expert_layout\.tensors\.down\.nbytes|tensors\.down\.shape",
+        ),
+        (lambda m: m["expert_layout"].update(qtype="q5_k"), r"expert_layout\.qtype: unknown"),
+        (
+            lambda m: m["dense"]["model.norm.weight"].update(shape=[32]),
+            r"dense\.safetensors: tensor 'model\.norm\.weight' is BF16 \[64\], manifest",
+        ),
+        (lambda m: m["dense"].pop("lm_head.weight"), r"differ from manifest 'dense'"),
+    ],
+)
+def test_manifest_errors_name_the_field(tmp_path, edit, pattern):
+    path, _, _ = make_store(tmp_path / "s")
+    _edit_manifest(path, edit)
+    with pytest.raises(StoreError, match=pattern):
+        open_store(path)
+
+
+def test_missing_and_truncated_files(tmp_path):
+    path, _, _ = make_store(tmp_path / "s")
+    with pytest.raises(StoreError, match="not a store directory"):
+        open_store(tmp_path / "nope")
+    dense = path / "dense.safetensors"
+    data = dense.read_bytes()
+    dense.write_bytes(data[:-10])
+    with pytest.raises(StoreError, match=r"dense\.safetensors: truncated: tensor 'lm_head"):
+        open_store(path)
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(StoreError, match=r"manifest\.json: not valid JSON"):
+        open_store(path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(StoreError, match=r"manifest\.json: missing"):
+        open_store(path)
+
+
+def test_writer_refuses_existing_and_cleans_up(tmp_path):
+    path, _, _ = make_store(tmp_path / "s")
+    lay = ExpertLayout.build("q4_0", D_MODEL, D_FF)
+    with pytest.raises(StoreError, match="already exists"):
+        StoreWriter(path, lay)
+    with pytest.raises(RuntimeError), StoreWriter(path, lay, force=True) as w:
+        w.begin_dense([])
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    open_store(path)  # the old store is untouched
+    with (
+        pytest.raises(StoreError, match="out of plan order"),
+        StoreWriter(tmp_path / "t", lay) as w,
+    ):
+        w.begin_dense([("a", "f32", (2,)), ("b", "f32", (2,))])
+        w.write_dense("b", np.zeros(2, np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    shutil.rmtree(path)
