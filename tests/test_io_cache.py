@@ -225,6 +225,18 @@ async def test_checksum_mismatch_is_a_store_error():
     with pytest.raises(StoreError, match="layer 3 expert 3"):
         await t
     assert pool.num_free == 3
+    # "once" (default): a record that passed is not hashed again when re-read after eviction
+    for verify, caught in (("once", False), (True, True)):
+        _, _, rd, c = make(num_slots=1, verify=verify)
+        for e, data in ((1, None), (2, None), (1, np.zeros(N, np.uint8))):
+            t = asyncio.create_task(c.get(0, e))
+            await spin()
+            rd.complete((0, e), data=data)
+            if data is not None and caught:
+                with pytest.raises(StoreError):
+                    await t
+            else:
+                (await t).release()
     _, _, reader2, unchecked = make(verify=False)
     t = asyncio.create_task(unchecked.get(3, 3))
     await spin()

@@ -195,7 +195,7 @@ async def replay(
     prefetch: str = "none",
     compute_ms: float = 0.0,
     queue_depth: int = 32,
-    verify: bool = True,
+    verify: bool | str = "once",
     max_tokens: int | None = None,
 ) -> ReplayResult:
     """Replay `trace` through a real reader + ExpertCache over `store` (see module docstring).
@@ -291,7 +291,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io", choices=("auto", "uring", "threads", "mmap"), default="auto")
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--compute-ms", type=float, default=0.0, help="simulated compute per layer")
-    p.add_argument("--no-verify", action="store_true", help="skip record checksums")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip record checksums (default: each record checked on its first read)",
+    )
     p.add_argument("--max-tokens", type=int)
     p.add_argument(
         "--offline",
@@ -351,7 +355,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 prefetch=args.prefetch,
                 compute_ms=args.compute_ms,
                 queue_depth=args.queue_depth,
-                verify=not args.no_verify,
+                verify=False if args.no_verify else "once",
                 max_tokens=args.max_tokens,
             )
         )
