@@ -249,3 +249,35 @@ def test_slab_pool_backing_leases_and_measured_memory():
     assert normal.statistics().backing == "normal"
     with pytest.raises(ValueError):
         SlabPool(0, 1)
+
+
+@pytest.mark.parametrize("kind", [BACKENDS[0], BACKENDS[1]])
+async def test_reads_split_at_the_read_limit(datafile, kind, monkeypatch):
+    """A record larger than one read's limit goes in pieces (the short-read path)."""
+    import colibri.io.uring as u
+
+    monkeypatch.setattr(u, "MAX_READ_NBYTES", 8192)
+    monkeypatch.setattr(reader_mod, "MAX_READ_NBYTES", 8192)
+    path, data = datafile
+    pool, r = make(path, kind, slot_nbytes=3 * REC)
+    await r.read_into(rec(2, 3 * REC), 0)
+    np.testing.assert_array_equal(pool.view(0)[: 3 * REC], data[2 * REC : 5 * REC])
+    assert r.statistics().short_reads == 3 * REC // 8192 - 1
+    await r.aclose()
+
+
+def test_hugetlb_backing_forced_without_reserved_pages():
+    free = reader_mod_hugepages()
+    if free >= 1:
+        pool = SlabPool(4096, 1, backing="hugetlb")
+        assert pool.statistics().backing == "hugetlb"
+    else:
+        with pytest.raises(OSError, match="huge pages reserved"):
+            SlabPool(4096, 1, backing="hugetlb")
+        assert SlabPool(4096, 1).statistics().backing != "hugetlb"
+
+
+def reader_mod_hugepages() -> int:
+    from colibri.io.slab import _hugepages_free
+
+    return _hugepages_free()
