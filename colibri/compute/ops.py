@@ -8,6 +8,7 @@ Outputs are caller-allocated (`out=`), so hot paths allocate nothing.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 
@@ -108,6 +109,7 @@ if os.environ.get("COLIBRI_ISA"):
 # ---- quantization, matmul, expert FFN ------------------------------------------------------
 
 Buffer = np.ndarray | memoryview | bytes | bytearray
+_F32 = np.dtype(np.float32)
 
 
 class Act(enum.IntEnum):
@@ -139,10 +141,19 @@ def row_nbytes(qtype: QType | str | int, cols: int) -> int:
 
     Raises KernelError if `cols` is not a multiple of the block size (32) for block formats.
     """
-    qt = QType.parse(qtype)
-    nb = int(lib.clb_row_nbytes(int(qt), int(cols)))
+    return _row_nbytes(QType.parse(qtype), int(cols))
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_nbytes(qt: QType, cols: int) -> int:
+    nb = int(lib.clb_row_nbytes(int(qt), cols))
     _check(nb, f"row_nbytes({qt.name}, cols={cols})")
     return nb
+
+
+def _fp(a: np.ndarray | None):
+    """float * into a (validated) float32 array without copying; NULL for None."""
+    return ffi.NULL if a is None else ffi.from_buffer("float[]", a)
 
 
 def quantize(x: np.ndarray, qtype: QType | str | int, out: np.ndarray | None = None) -> np.ndarray:
@@ -202,8 +213,12 @@ def dequantize(
 
 def _rows_x(x: np.ndarray, out: np.ndarray, what: str) -> tuple[int, int, int]:
     """(n, cols, rows) for x [cols] / [n, cols] and out [rows] / [n, rows]."""
-    _f32(x, f"{what}: x")
-    _f32(out, f"{what}: out", writable=True)
+    if not (isinstance(x, np.ndarray) and x.dtype == _F32 and x.flags.c_contiguous):
+        _f32(x, f"{what}: x")  # raises, naming the problem
+    if not (isinstance(out, np.ndarray) and out.dtype == _F32 and out.flags.c_contiguous):
+        _f32(out, f"{what}: out")
+    if not out.flags.writeable:
+        raise KernelError(f"{what}: out must be writable")
     if x.ndim not in (1, 2) or out.ndim != x.ndim or x.shape[:-1] != out.shape[:-1]:
         raise KernelError(
             f"{what}: x {x.shape} and out {out.shape} must be [cols] and [rows], "
@@ -224,15 +239,14 @@ def matmul(
     nthreads <= 0 means default_threads(). Runs in C with the GIL released; allocates nothing.
     Returns out. Raises KernelError on any shape, dtype or size mismatch.
     """
-    qt = QType.parse(qtype)
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
     n, cols, rows = _rows_x(x, out, "matmul")
-    want = rows * row_nbytes(qt, cols)
+    want = rows * _row_nbytes(qt, cols)
     if (got := _nbytes(w, "matmul: w")) != want:
         raise KernelError(f"matmul: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
-    rc = lib.clb_matmul(
-        int(qt), _ptr(out, "float *"), _ptr(w), _ptr(x, "float *"), rows, cols, n, int(nthreads)
-    )
-    _check(rc, f"matmul({qt.name}, rows={rows}, cols={cols}, n={n})")
+    rc = lib.clb_matmul(qt, _fp(out), ffi.from_buffer(w), _fp(x), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul({qt.name}, rows={rows}, cols={cols}, n={n})")
     return out
 
 
@@ -274,12 +288,12 @@ def expert_ffn(
     accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (allocated
     if None; pass it to stay allocation-free). Returns out. Raises KernelError on bad shapes.
     """
-    qt = QType.parse(qtype)
-    a = Act[act.upper()] if isinstance(act, str) else Act(act)
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
     n, cols, rows = _rows_x(x, out, "expert_ffn")
     if cols != d_model or rows != d_model:
         raise KernelError(f"expert_ffn: x {x.shape} and out {out.shape} need d_model={d_model}")
-    w_in, w_out = d_ff * row_nbytes(qt, d_model), d_model * row_nbytes(qt, d_ff)
+    w_in, w_out = d_ff * _row_nbytes(qt, d_model), d_model * _row_nbytes(qt, d_ff)
     for name, buf, want in (("gate", gate, w_in), ("up", up, w_in), ("down", down, w_out)):
         if (got := _nbytes(buf, f"expert_ffn: {name}")) != want:
             raise KernelError(f"expert_ffn: {name} has {got} bytes, {qt.name} needs {want}")
@@ -292,12 +306,12 @@ def expert_ffn(
     elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
         raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
     rc = lib.clb_expert_ffn(
-        int(qt), _ptr(out, "float *"), _ptr(scratch, "float *"), _ptr(x, "float *"),
-        _ptr(gate), _ptr(up), _ptr(down), _ptr(gate_bias, "float *"), _ptr(up_bias, "float *"),
-        _ptr(down_bias, "float *"), _ptr(row_weight, "float *"), n, d_model, d_ff, int(a),
-        float(alpha), float(limit), int(bool(accumulate)), int(nthreads),
+        qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
+        ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
+        n, d_model, d_ff, a, alpha, limit, bool(accumulate), nthreads,
     )  # fmt: skip
-    _check(rc, f"expert_ffn({qt.name}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    if rc:
+        _check(rc, f"expert_ffn({qt.name}, n={n}, d_model={d_model}, d_ff={d_ff})")
     return out
 
 

@@ -14,6 +14,7 @@
 #define vset1(f) _mm256_set1_ps(f)
 #define vload(p) _mm256_loadu_ps(p)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define h2f(h) _cvtsh_ss(h)
 #define vadd(a, b) _mm256_add_ps(a, b)
 
 static inline float vhsum(__m256 v) {

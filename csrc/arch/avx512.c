@@ -15,6 +15,7 @@
 #define vset1(f) _mm512_set1_ps(f)
 #define vload(p) _mm512_loadu_ps(p)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define h2f(h) _cvtsh_ss(h)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vhsum(v) _mm512_reduce_add_ps(v)
 

@@ -1,0 +1,135 @@
+"""Kernel benchmark: matvec and batch-8 matmul per storage format over a weight matrix larger
+than the L3 cache, at 1 thread and all threads, against the memory bandwidth measured in the
+same run; plus small-call latencies (the engine makes ~300 kernel calls a token).
+
+    .venv/bin/python bench/kernels.py [--mib 128] [--isa avx2] [--repeat 5]
+
+Weight GB/s = weight bytes / time (each weight byte is read once per call). Memory bandwidth
+= a large numpy copy (np.copyto), counted as read + write = 2 x size bytes / time (the write
+allocate makes the real traffic higher, so this is a conservative ceiling), run in 1 and in
+N threads at once. Times are the best of --repeat runs (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from colibri.compute import ops
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()  # warm up (page faults, thread pool start)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def copy_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
+    """GB/s of read + write bytes for nthreads concurrent numpy copies of nbytes in total."""
+    per = nbytes // nthreads // 4
+    src = [np.ones(per, np.float32) for _ in range(nthreads)]
+    dst = [np.zeros(per, np.float32) for _ in range(nthreads)]
+
+    def run() -> None:
+        threads = [
+            threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dst, src, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return 2 * per * 4 * nthreads / best_time(run, repeat) / 1e9
+
+
+def make_weights(qt: ops.QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed)."""
+    base = ops.quantize(rng.standard_normal((256, cols)).astype(np.float32), qt)
+    return np.ascontiguousarray(np.tile(base, (rows // 256 + 1, 1))[:rows])
+
+
+def latency_us(fn, repeat: int = 2000) -> tuple[float, float]:
+    """(median, best) microseconds per call over `repeat` back-to-back calls."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6, min(times) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=128, help="weight matrix size (default 128 MiB)")
+    p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--isa", choices=[i.name.lower() for i in ops.ISA], default=None)
+    p.add_argument("--formats", default="q4_0,q8_0,q4_1,f16,bf16,f32")
+    args = p.parse_args()
+    if args.isa:
+        ops.set_isa(args.isa)
+    nt = ops.default_threads()
+    rng = np.random.default_rng(0)
+    print(f"ISA {ops.isa().name}, default threads {nt} (os.cpu_count {os.cpu_count()}), "
+          f"weights {args.mib} MiB, cols {args.cols}, best of {args.repeat}")  # fmt: skip
+
+    bw = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
+    for t, v in bw.items():
+        print(f"memory bandwidth, numpy copy of 256 MiB, {t} thread(s): {v:6.2f} GB/s (read+write)")
+    print()
+    print(f"{'format':<6} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12} {'of mem bw':>10}"
+          f" {'GFLOP/s':>8}")  # fmt: skip
+    for name in args.formats.split(","):
+        qt = ops.QType.parse(name)
+        rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
+        w = make_weights(qt, rows, args.cols, rng)
+        for n in (1, 8):
+            x = rng.standard_normal((n, args.cols)).astype(np.float32)
+            y = np.empty((n, rows), np.float32)
+            for t in sorted({1, nt}):
+                s = best_time(lambda: ops.matmul(w, qt, x, y, nthreads=t), args.repeat)  # noqa: B023
+                gbs = w.nbytes / s / 1e9
+                print(f"{qt.name:<6} {n:>3} {t:>3} {s * 1e3:8.2f} {gbs:12.2f} "
+                      f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}")  # fmt: skip
+        del w
+
+    print("\nsmall-call latency (median / best us per call through ops.*, cache-resident):")
+    for qt, rows, cols in [("q4_0", 128, 2048), ("q4_0", 2048, 2048), ("q8_0", 2048, 2048)]:
+        w = make_weights(ops.QType.parse(qt), rows, cols, rng)
+        x = rng.standard_normal(cols).astype(np.float32)
+        y = np.empty(rows, np.float32)
+        for t in sorted({1, nt}):
+            med, best = latency_us(lambda: ops.matmul(w, qt, x, y, nthreads=t))  # noqa: B023
+            print(f"  matmul {qt} [{rows}x{cols}] n=1, {t} thr: {med:7.1f} / {best:7.1f}")
+    d_model, d_ff = 2048, 768  # a Qwen3-30B-A3B expert
+    for qt in ("q4_0", "q8_0"):
+        gate, up = (make_weights(ops.QType.parse(qt), d_ff, d_model, rng) for _ in range(2))
+        down = make_weights(ops.QType.parse(qt), d_model, d_ff, rng)
+        for n in (1, 8):
+            x = rng.standard_normal((n, d_model)).astype(np.float32)
+            y, scratch = np.zeros_like(x), np.empty(2 * n * d_ff, np.float32)
+            for t in sorted({1, nt}):
+                med, best = latency_us(
+                    lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
+                                           scratch=scratch, nthreads=t),  # noqa: B023
+                    repeat=500,
+                )  # fmt: skip
+                print(
+                    f"  expert_ffn {qt} {d_model}x{d_ff} n={n}, {t} thr: {med:7.1f} / {best:7.1f}"
+                )
+
+
+if __name__ == "__main__":
+    main()
