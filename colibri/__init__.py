@@ -5,3 +5,7 @@ The dense part of a model stays resident; routed experts are streamed from NVMe 
 """
 
 __version__ = "0.1.0"
+
+from colibri.engine import Engine, SyncEngine, Token, open_engine
+
+__all__ = ["Engine", "SyncEngine", "Token", "open_engine"]

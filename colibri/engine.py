@@ -11,9 +11,11 @@ streams may run at once on one engine; they share the expert cache and the compu
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -324,3 +326,69 @@ async def open_engine(path: str | os.PathLike[str], **options: Any) -> AsyncIter
         yield engine
     finally:
         await engine.aclose()
+
+
+class SyncEngine:
+    """A blocking wrapper for scripts and notebooks: the engine runs on an event loop in a
+    background thread, so this works even where a loop is already running (Jupyter).
+
+        with colibri.SyncEngine("path/to/store") as engine:
+            print(engine.generate("Hello", max_tokens=32))
+            for token in engine.stream("Hello"):
+                print(token.text, end="")
+
+    Arguments and errors as open_engine() and Engine.stream().
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._cm = open_engine(path, **options)
+        try:
+            self.engine: Engine = self._call(self._cm.__aenter__())
+        except BaseException:
+            self._stop()
+            raise
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
+        """The whole completion as one string."""
+        return self._call(self.engine.generate(prompt, **kw))
+
+    def stream(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> Iterator[Token]:
+        """Token items as they are generated (see Engine.stream)."""
+        agen = self.engine.stream(prompt, **kw)
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())
+
+    def statistics(self) -> dict[str, Any]:
+        return self.engine.statistics()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        """Close the engine and its thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._cm.__aexit__(None, None, None))
+        finally:
+            self._stop()
+
+    def __enter__(self) -> SyncEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
