@@ -1,7 +1,7 @@
 /* attention.c — grouped-query attention over a KV cache, decode (n_q = 1) and prefill (n_q > 1).
  *
- * Work is split into tiles: one query row i and up to OPS_ATTN_HEADS query heads of one KV
- * group, so each key/value row is loaded once for all of them. A tile runs an online
+ * Work is split into tiles of a few query rows x up to OPS_ATTN_HEADS query heads of one KV
+ * group, so each key/value row is loaded once for all of them. Each (row, head) runs an online
  * (flash-style) softmax over its visible keys j in [lo, p], p = q_pos0 + i,
  * lo = max(0, p - window + 1) (HF's sliding_window_overlay: kv_idx > q_idx - window):
  *   m = running max, l = running sum of exp(s - m), o = running sum of exp(s - m) v;
@@ -17,31 +17,37 @@
 #include "colibri.h"
 #include "ops_internal.h"
 
-/* Scalar twin: per head, per key, the textbook online softmax. */
-void ops_attn_tile_ref(const struct ops_attn *a, int64_t i, int64_t h0, int64_t nh) {
-    const int64_t p = a->q_pos0 + i, g = h0 / a->group;
-    const int64_t lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
-    for (int64_t h = h0; h < h0 + nh; h++) {
-        const float *q = a->q + (i * a->n_heads + h) * a->dk;
-        float *o = a->out + (i * a->n_heads + h) * a->dv;
-        float m = a->sinks ? a->sinks[h] : -INFINITY, l = a->sinks ? 1.0f : 0.0f;
-        for (int64_t e = 0; e < a->dv; e++) o[e] = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            const int64_t kr = (j * a->n_kv_heads + g) * a->dk, vr = (j * a->n_kv_heads + g) * a->dv;
-            float s = 0.0f;
-            for (int64_t e = 0; e < a->dk; e++)
-                s += q[e] * (a->kv_f16 ? ops_f16_to_f32(((const uint16_t *)a->k)[kr + e])
-                                       : ((const float *)a->k)[kr + e]);
-            s *= a->scale;
-            const float m1 = s > m ? s : m, c = expf(m - m1), w = expf(s - m1);
-            l = l * c + w;
-            for (int64_t e = 0; e < a->dv; e++)
-                o[e] = o[e] * c + w * (a->kv_f16 ? ops_f16_to_f32(((const uint16_t *)a->v)[vr + e])
-                                                 : ((const float *)a->v)[vr + e]);
-            m = m1;
+/* Element e of cache row (position j, kv head g) of a [n_ctx, n_kv_heads, d] cache. */
+static inline float kv_at(const void *cache, int f16, int64_t row, int64_t e) {
+    return f16 ? ops_f16_to_f32(((const uint16_t *)cache)[row + e])
+               : ((const float *)cache)[row + e];
+}
+
+/* Scalar twin: per row, per head, per key, the textbook online softmax. */
+void ops_attn_tile_ref(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t h0, int64_t nh) {
+    const int64_t g = h0 / a->group;
+    for (int64_t i = i0; i < i0 + nr; i++) {
+        const int64_t p = a->q_pos0 + i;
+        const int64_t lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+        for (int64_t h = h0; h < h0 + nh; h++) {
+            const float *q = a->q + (i * a->n_heads + h) * a->dk;
+            float *o = a->out + (i * a->n_heads + h) * a->dv;
+            float m = a->sinks ? a->sinks[h] : -INFINITY, l = a->sinks ? 1.0f : 0.0f;
+            for (int64_t e = 0; e < a->dv; e++) o[e] = 0.0f;
+            for (int64_t j = lo; j <= p; j++) {
+                const int64_t kr = (j * a->n_kv_heads + g) * a->dk;
+                const int64_t vr = (j * a->n_kv_heads + g) * a->dv;
+                float s = 0.0f;
+                for (int64_t e = 0; e < a->dk; e++) s += q[e] * kv_at(a->k, a->kv_f16, kr, e);
+                s *= a->scale;
+                const float m1 = s > m ? s : m, c = expf(m - m1), w = expf(s - m1);
+                l = l * c + w;
+                for (int64_t e = 0; e < a->dv; e++)
+                    o[e] = o[e] * c + w * kv_at(a->v, a->kv_f16, vr, e);
+                m = m1;
+            }
+            for (int64_t e = 0; e < a->dv; e++) o[e] /= l;
         }
-        const float inv = 1.0f / l;
-        for (int64_t e = 0; e < a->dv; e++) o[e] *= inv;
     }
 }
 
@@ -58,9 +64,12 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
         .q_pos0 = q_pos0, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
         .group = n_heads / n_kv_heads, .dk = dk, .dv = dv, .window = window, .scale = scale,
     };
-    /* tiles: (row i, kv head g, chunk c of the group's heads) */
+    /* tiles: (kv head g, chunk c of the group's heads, block r of rows), rows innermost so
+     * that consecutive tiles reuse one head's K/V rows from cache during prefill */
     const int64_t chunks = (a.group + OPS_ATTN_HEADS - 1) / OPS_ATTN_HEADS;
-    const int64_t tiles = n_q * n_kv_heads * chunks;
+    const int64_t heads = a.group < OPS_ATTN_HEADS ? a.group : OPS_ATTN_HEADS;
+    const int64_t rows = OPS_ATTN_ENTRIES / heads, rblocks = (n_q + rows - 1) / rows;
+    const int64_t tiles = n_kv_heads * chunks * rblocks;
     const int isa = clb_isa_get();
     if (nthreads <= 0) nthreads = clb_default_threads();
     /* threads only pay off past ~100k multiply-adds */
@@ -68,13 +77,13 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
     const int par = nthreads > 1 && tiles > 1 && n_q * n_heads * ctx * (dk + dv) > 100000;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (par)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t i = t / (n_kv_heads * chunks), rest = t % (n_kv_heads * chunks);
-        const int64_t h0 = (rest / chunks) * a.group + (rest % chunks) * OPS_ATTN_HEADS;
-        const int64_t left = (rest / chunks + 1) * a.group - h0;
-        const int64_t nh = left < OPS_ATTN_HEADS ? left : OPS_ATTN_HEADS;
-        if (isa == CLB_ISA_AVX512) ops_attn_tile_avx512(&a, i, h0, nh);
-        else if (isa == CLB_ISA_AVX2) ops_attn_tile_avx2(&a, i, h0, nh);
-        else ops_attn_tile_ref(&a, i, h0, nh);
+        const int64_t r = t % rblocks, c = t / rblocks % chunks, g = t / rblocks / chunks;
+        const int64_t i0 = r * rows, nr = n_q - i0 < rows ? n_q - i0 : rows;
+        const int64_t h0 = g * a.group + c * OPS_ATTN_HEADS;
+        const int64_t left = a.group - c * OPS_ATTN_HEADS, nh = left < heads ? left : heads;
+        if (isa == CLB_ISA_AVX512) ops_attn_tile_avx512(&a, i0, nr, h0, nh);
+        else if (isa == CLB_ISA_AVX2) ops_attn_tile_avx2(&a, i0, nr, h0, nh);
+        else ops_attn_tile_ref(&a, i0, nr, h0, nh);
     }
     return CLB_OK;
 }

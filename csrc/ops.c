@@ -85,8 +85,8 @@ int clb_rmsnorm(float *y, const float *x, const float *w, int64_t n, int64_t d, 
  * embedding: angle = float(pos) * inv_freq) and applied to every head. */
 int clb_rope(float *x, const int32_t *pos, const float *inv_freq, int64_t n_tokens,
              int64_t n_heads, int64_t head_dim, int64_t rot_dim, float mscale, int mode) {
-    if (!x || !pos || !inv_freq || n_tokens < 0 || n_heads < 0 || rot_dim < 2 ||
-        rot_dim % 2 || rot_dim > head_dim || (mode != CLB_ROPE_NEOX && mode != CLB_ROPE_INTERLEAVED))
+    if (!x || !pos || !inv_freq || n_tokens < 0 || n_heads < 0 || rot_dim < 2 || rot_dim % 2 ||
+        rot_dim > head_dim || (mode != CLB_ROPE_NEOX && mode != CLB_ROPE_INTERLEAVED))
         return CLB_EINVAL;
     enum { CHUNK = 64 };
     float c[2 * CHUNK], s[2 * CHUNK];
@@ -102,9 +102,12 @@ int clb_rope(float *x, const int32_t *pos, const float *inv_freq, int64_t n_toke
                 if (mode == CLB_ROPE_NEOX) c[j] = cj, s[j] = sj;
                 else c[2 * j] = c[2 * j + 1] = cj, s[2 * j] = -sj, s[2 * j + 1] = sj;
             }
-            if (isa == CLB_ISA_AVX512) ops_rope_avx512(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
-            else if (isa == CLB_ISA_AVX2) ops_rope_avx2(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
-            else ops_rope_ref(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
+            if (isa == CLB_ISA_AVX512)
+                ops_rope_avx512(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
+            else if (isa == CLB_ISA_AVX2)
+                ops_rope_avx2(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
+            else
+                ops_rope_ref(xt, n_heads, head_dim, half, i0, ni, c, s, mode);
         }
     }
     return CLB_OK;
@@ -143,7 +146,8 @@ int clb_topk(int32_t *idx, float *val, const float *x, int64_t n, int64_t d, int
             const float v = x[i];
             if (len == k && (k == 0 || !topk_before(v, val[k - 1]))) continue;
             int64_t p = len < k ? len++ : k - 1;
-            for (; p > 0 && topk_before(v, val[p - 1]); p--) val[p] = val[p - 1], idx[p] = idx[p - 1];
+            for (; p > 0 && topk_before(v, val[p - 1]); p--)
+                val[p] = val[p - 1], idx[p] = idx[p - 1];
             val[p] = v, idx[p] = (int32_t)i;
         }
     }

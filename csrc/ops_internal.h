@@ -34,9 +34,11 @@ struct ops_attn {
     float scale;
 };
 
-/* Largest number of query heads (all in one KV group) one attention tile handles. */
+/* An attention tile is nr consecutive query rows x nh query heads of one KV group, at most
+ * OPS_ATTN_HEADS heads and OPS_ATTN_ENTRIES (row, head) pairs: each K/V row it loads serves
+ * all of them. Keys are scored OPS_ATTN_KEYS at a time (scores on the stack). */
 #define OPS_ATTN_HEADS 8
-/* Keys scored per online-softmax step (scores live on the stack: OPS_ATTN_HEADS x this). */
+#define OPS_ATTN_ENTRIES 16
 #define OPS_ATTN_KEYS 32
 
 /* RoPE on one token's heads, for frequencies [i0, i0 + ni):
@@ -50,7 +52,8 @@ struct ops_attn {
     void ops_softmax_##sfx(float *x, int64_t n, int64_t d);                                 \
     void ops_silu_##sfx(float *y, const float *x, int64_t n);                               \
     void ops_gelu_##sfx(float *y, const float *x, int64_t n);                               \
-    void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i, int64_t h0, int64_t nh);
+    void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t h0,   \
+                             int64_t nh);
 
 OPS_DECLARE(ref)
 OPS_DECLARE(avx2)

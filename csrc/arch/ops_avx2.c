@@ -40,8 +40,10 @@ static inline vf vloadhn(const uint16_t *p, int64_t n) {
 #define vfma _mm256_fmadd_ps
 #define vfnma _mm256_fnmadd_ps
 #define vround(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vpow2i(v) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(v), _mm256_set1_epi32(127)), 23))
+static inline vf vpow2i(vf n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
 #define vzero_lt(v, x, lo) _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v)
 #define vswap_pairs(v) _mm256_permute_ps(v, 0xB1)
 static inline float vhsum(vf v) {

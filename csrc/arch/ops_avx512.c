@@ -32,9 +32,12 @@ typedef __m512 vf;
 #define vfma _mm512_fmadd_ps
 #define vfnma _mm512_fnmadd_ps
 #define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vpow2i(v) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(v), _mm512_set1_epi32(127)), 23))
-#define vzero_lt(v, x, lo) _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps())
+static inline vf vpow2i(vf n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+#define vzero_lt(v, x, lo) \
+    _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps())
 #define vswap_pairs(v) _mm512_permute_ps(v, 0xB1)
 #define vhsum _mm512_reduce_add_ps
 #define vhmax _mm512_reduce_max_ps
