@@ -343,7 +343,7 @@ def test_policy_victims_match_brute_force(name):
 # ---- prefetcher ---------------------------------------------------------------------------
 async def test_prefetcher_counts_and_backs_off():
     _store, _pool, reader, cache = make(num_slots=6)
-    pf = Prefetcher(cache, window=2, cooldown=3, min_read_precision=0.5)
+    pf = Prefetcher(cache, window=2, cooldown=3, min_read_precision=0.5, probe_every=99)
     pf.new_token()
     assert pf.predict(1, [2, 3]) == 2
     await spin()
@@ -410,3 +410,25 @@ async def test_memory_stays_within_budget_measured(tmp_path):
     await cache.aclose()
     await reader.aclose()
     assert os.path.getsize(store.experts_path) == 64 * rec
+
+
+@pytest.mark.parametrize("on_cost, off_cost", [(2.0, 1.0), (1.0, 2.0)])
+async def test_prefetcher_judges_by_token_time(on_cost, off_cost):
+    """Tokens that take longer with prefetch on than in the off probes make it back off;
+    tokens that get faster keep it on (only the probe windows run without it)."""
+    *_, cache = make(num_slots=4)
+    t = [0.0]
+    pf = Prefetcher(
+        cache, window=2, probe_every=2, cooldown=1, min_read_precision=0.0, clock=lambda: t[0]
+    )
+    modes = []
+    pf.new_token()
+    for _ in range(24):
+        modes.append(pf.enabled)
+        t[0] += on_cost if pf.enabled else off_cost
+        pf.new_token()
+    st = pf.statistics()
+    if on_cost > off_cost:
+        assert st.backoffs >= 2 and sum(modes) <= 12
+    else:
+        assert st.backoffs == 0 and sum(modes) == 16  # 2 of every 3 windows on

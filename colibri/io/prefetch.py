@@ -19,16 +19,20 @@ about every demand access (`on_demand`) and every prefetched record evicted unus
   were cached already or found no free/cold slot); useful — predictions the same token then
   demanded; recall = useful / demands in predicted layers; precision = useful / predicted;
   useful_reads / wasted_reads — issued reads later demanded / never demanded.
-Back-off: prefetch must not make things slower. Reads cost disk time and displace cached
-records, so after each `window` tokens the prefetcher checks the share of its issued reads that
-were demanded; below `min_read_precision` it stops issuing for `cooldown` tokens (doubling on
-each consecutive failure up to `max_cooldown`, reset after a window that pays), then probes
-again. Judge the setting end to end by hit rate and tokens/s (colibri replay --prefetch).
+Back-off: prefetch must not make things slower (on a saturated disk a wrong guess delays a
+demand read). Tokens are grouped in windows of `window` tokens, timed between `new_token`
+calls. Two checks, after each window:
+  - precision: if under `min_read_precision` of the reads issued in the window were demanded;
+  - time: every `probe_every` windows one window runs with prefetch off (a probe); if the mean
+    token time with prefetch on (EMA over windows) exceeds that with it off by `margin`.
+Either one pauses prefetch for `cooldown` windows (doubling on each back-off up to
+`max_cooldown`, reset when a window pays), after which it is tried again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from colibri.io.cache import ExpertCache, Key
@@ -56,7 +60,9 @@ class Prefetcher:
     Args:
         cache: the ExpertCache (the prefetcher registers itself as `cache.observer`).
         min_read_precision: share of issued reads that must be demanded to keep going.
-        window: tokens per judgement; cooldown / max_cooldown: tokens to pause (doubling).
+        window: tokens per judgement; probe_every: prefetch-on windows between two probes;
+        margin: how much slower (fraction) prefetch-on tokens may be before backing off;
+        cooldown / max_cooldown: windows to pause (doubling); clock: seconds (for tests).
     """
 
     def __init__(
@@ -65,18 +71,28 @@ class Prefetcher:
         *,
         min_read_precision: float = 0.25,
         window: int = 4,
-        cooldown: int = 4,
-        max_cooldown: int = 256,
+        probe_every: int = 4,
+        margin: float = 0.05,
+        cooldown: int = 2,
+        max_cooldown: int = 64,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cache = cache
         cache.observer = self
-        self.min_read_precision = min_read_precision
-        self.window, self.cooldown0, self.max_cooldown = window, cooldown, max_cooldown
+        self.min_read_precision, self.margin = min_read_precision, margin
+        self.window, self.probe_every = window, probe_every
+        self.cooldown0, self.max_cooldown = cooldown, max_cooldown
+        self._clock = clock
         self._cooldown = cooldown
-        self._paused = 0  # tokens left to pause
+        self._mode = "on"  # this window: "on" | "probe" (off, measuring) | "paused"
+        self._paused = 0  # windows left to pause
+        self._on_windows = 0
+        self._ema: dict[str, float | None] = {"on": None, "off": None}
+        self._t_last: float | None = None
         self._predicted: set[Key] = set()  # this token
         self._layers: set[int] = set()
         self._win_issued = self._win_useful = self._win_tokens = 0
+        self._win_time = 0.0
         self._n = dict.fromkeys(
             (
                 "predicted",
@@ -94,11 +110,12 @@ class Prefetcher:
 
     @property
     def enabled(self) -> bool:
-        return self._paused == 0
+        """True while predictions are issued as reads (not probing, not backed off)."""
+        return self._mode == "on"
 
     def predict(self, layer: int, experts: Iterable[int]) -> int:
         """Record the prediction for `layer` this token and start reads of those not cached
-        (unless backing off). Never waits. Returns the number of reads started."""
+        (unless probing or backed off). Never waits. Returns the number of reads started."""
         keys = [(layer, int(e)) for e in experts]
         new = [k for k in keys if k not in self._predicted]
         self._predicted.update(new)
@@ -129,24 +146,49 @@ class Prefetcher:
         self._n["wasted_reads"] += 1
 
     def new_token(self) -> None:
-        """A new token starts: cancel prefetch reads nobody waits for, judge the window and
-        back off (or resume) as described in the module docstring."""
+        """A new token starts: cancel prefetch reads nobody waits for; at the end of a window,
+        judge it and switch mode as described in the module docstring."""
+        now = self._clock()
+        if self._t_last is not None:
+            self._win_time += now - self._t_last
+            self._win_tokens += 1
+        self._t_last = now
         self._n["cancelled"] += self.cache.cancel_prefetches()
         self._predicted.clear()
         self._layers.clear()
-        if self._paused:
-            self._paused -= 1
-            return
-        self._win_tokens += 1
         if self._win_tokens < self.window:
             return
-        if self._win_issued and self._win_useful / self._win_issued < self.min_read_precision:
-            self._paused = self._cooldown
-            self._cooldown = min(2 * self._cooldown, self.max_cooldown)
-            self._n["backoffs"] += 1
-        elif self._win_issued:
-            self._cooldown = self.cooldown0
+        kind = "on" if self._mode == "on" else "off"
+        mean, old = self._win_time / self._win_tokens, self._ema[kind]
+        self._ema[kind] = mean if old is None else 0.5 * old + 0.5 * mean
+        on, off = self._ema["on"], self._ema["off"]
+        slower = on is not None and off is not None and on > off * (1 + self.margin)
+        if self._mode == "on":
+            if (
+                self._win_issued and self._win_useful / self._win_issued < self.min_read_precision
+            ) or slower:
+                self._back_off()
+            else:
+                self._cooldown = self.cooldown0
+                self._on_windows += 1
+                if self._on_windows >= self.probe_every:
+                    self._mode, self._on_windows = "probe", 0
+        elif self._mode == "probe":
+            if slower:
+                self._back_off()
+            else:
+                self._mode = "on"
+        else:
+            self._paused -= 1
+            if self._paused <= 0:
+                self._mode = "on"
         self._win_issued = self._win_useful = self._win_tokens = 0
+        self._win_time = 0.0
+
+    def _back_off(self) -> None:
+        self._mode, self._paused = "paused", self._cooldown
+        self._cooldown = min(2 * self._cooldown, self.max_cooldown)
+        self._n["backoffs"] += 1
 
     def statistics(self) -> PrefetchStatistics:
         n = self._n
