@@ -115,6 +115,69 @@ def check_expert_ffn(rng: np.random.Generator) -> list[CheckResult]:
     return out
 
 
+# ---- small ops and attention (err: max |y - ref| / (1 + |ref|), mixed absolute/relative) ----
+SMALL_OPS_TOL = 4e-6  # one f32 rounding chain of a few ops (expf, tanhf, cosf, rsqrt)
+ATTENTION_TOL = 2e-5  # f32 online softmax over <= a few hundred keys
+
+
+def mixed_err(y: np.ndarray, want: np.ndarray) -> float:
+    """max |y - want| / (1 + |want|): absolute near 0, relative for large values."""
+    y64, w64 = y.astype(np.float64), want.astype(np.float64)
+    return float(np.max(np.abs(y64 - w64) / (1.0 + np.abs(w64)))) if y.size else 0.0
+
+
+@register
+def check_small_ops(rng: np.random.Generator) -> list[CheckResult]:
+    """RMSNorm, RoPE (both pairings, partial), softmax, SiLU, GELU vs numpy; top-k: fraction of
+    indices differing from a stable argsort (ties to the lowest index), tol 0."""
+    out = []
+    x = (rng.standard_normal((4, 301)) * 3).astype(np.float32)
+    w = rng.standard_normal(301).astype(np.float32)
+    y = ops.rmsnorm(np.empty_like(x), x, w, 1e-6)
+    out.append(CheckResult("rmsnorm", "d=301", mixed_err(y, ref.rmsnorm(x, w, 1e-6)),
+                           SMALL_OPS_TOL))  # fmt: skip
+    xr = rng.standard_normal((5, 4, 96)).astype(np.float32)
+    pos = rng.integers(0, 32768, 5).astype(np.int32)
+    inv_freq = (1e4 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32)
+    for mode in ("neox", "interleaved"):
+        y = ops.rope(xr.copy(), pos, inv_freq, 64, 1.2, mode)
+        want = ref.rope(xr, pos, inv_freq, 64, 1.2, mode)
+        out.append(CheckResult("rope", f"{mode} 64/96", mixed_err(y, want), SMALL_OPS_TOL))
+    s = (rng.standard_normal((3, 257)) * 10).astype(np.float32)
+    out.append(CheckResult("softmax", "d=257", mixed_err(ops.softmax(s.copy()), ref.softmax(s)),
+                           SMALL_OPS_TOL))  # fmt: skip
+    a = (rng.standard_normal(1003) * 8).astype(np.float32)
+    for name in ("silu", "gelu"):
+        y = getattr(ops, name)(np.empty_like(a), a)
+        out.append(CheckResult(name, "n=1003", mixed_err(y, getattr(ref, name)(a)), SMALL_OPS_TOL))
+    r = rng.integers(-3, 4, (16, 128)).astype(np.float32)  # many ties
+    idx, _ = ops.topk(r, 8)
+    out.append(CheckResult("topk", "8 of 128, ties", float(np.mean(idx != ref.topk(r, 8)[0])), 0.0))
+    return out
+
+
+@register
+def check_attention(rng: np.random.Generator) -> list[CheckResult]:
+    """Causal GQA attention vs numpy: decode and prefill, f32/f16 KV, window, sinks, MLA dims."""
+    out = []
+    cases = [  # label, n_q, n_kv, n_heads, n_kv_heads, dk, dv, kv dtype, window, sinks
+        ("decode f16 8:2", 1, 300, 8, 2, 64, 64, np.float16, 0, False),
+        ("decode f16 w128 sinks", 1, 300, 8, 2, 64, 64, np.float16, 128, True),
+        ("prefill f32 MLA 192/128", 24, 64, 4, 4, 192, 128, np.float32, 0, False),
+        ("prefill 16:2 w16 sinks", 24, 64, 16, 2, 64, 64, np.float32, 16, True),
+    ]
+    for case, n_q, n_kv, nh, nkv, dk, dv, dt, window, with_sinks in cases:
+        q = rng.standard_normal((n_q, nh, dk)).astype(np.float32)
+        k = rng.standard_normal((n_kv, nkv, dk)).astype(dt)
+        v = rng.standard_normal((n_kv, nkv, dv)).astype(dt)
+        sinks = rng.standard_normal(nh).astype(np.float32) if with_sinks else None
+        y = np.empty((n_q, nh, dv), np.float32)
+        ops.attention(y, q, k, v, n_kv, n_kv - n_q, dk**-0.5, window, sinks)
+        want = ref.attention(q, k, v, n_kv, n_kv - n_q, dk**-0.5, window, sinks)
+        out.append(CheckResult("attention", case, mixed_err(y, want), ATTENTION_TOL))
+    return out
+
+
 def run(levels: list[ops.ISA], seed: int = 0) -> dict[ops.ISA, list[CheckResult]]:
     """Run every registered check at each level (restoring the level in use after)."""
     before = ops.isa()
