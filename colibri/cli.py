@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("colibri.run", "interactive multi-turn chat using the model's chat template"),
     "convert": ("colibri.convert", "convert a Hugging Face or GGUF checkpoint into a store"),
     "inspect": ("colibri.inspect", "describe a store and optionally verify its checksums"),
+    "export-gguf": ("colibri.export_gguf", "write a store as a GGUF file for llama.cpp"),
     "replay": ("colibri.io.replay", "replay a routing trace through the reader and cache"),
     "selfcheck": ("colibri.compute.selfcheck", "check every kernel against its reference"),
 }

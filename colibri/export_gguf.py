@@ -1,0 +1,523 @@
+"""Export a colibri store to a GGUF file that llama.cpp loads, with the very same weight bytes.
+
+`python -m colibri.export_gguf STORE OUT.gguf` (or `colibri export-gguf`). The expert records'
+Q4_0/Q4_1/Q8_0 blocks become `blk.N.ffn_{gate,up,down}_exps.weight` stacked over experts, the
+dense tensors keep their stored type (norms and routers f32), so both engines run identical
+weights. Layout and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py):
+
+- Mixtral -> arch "llama" with `expert_count` / `expert_used_count`. llama.cpp's llama-arch
+  RoPE rotates adjacent pairs (GGML's "normal" mode) where HF rotates halves, so, as the
+  converter does, the rows of q_proj / k_proj are permuted head by head: within a head of
+  `head_dim` rows, new row 2i is old row i and new row 2i+1 is old row i + head_dim/2. A
+  block-quantized row is a whole number of blocks, so the permutation moves quantized rows
+  unchanged.
+- Qwen3-MoE -> arch "qwen3moe" (NeoX RoPE: no permutation; `expert_feed_forward_length`).
+
+GGML lists dimensions fastest first: the logical [E, d_ff, d_model] of a stacked gate tensor
+is ne = {d_model, d_ff, E}; gguf.GGUFWriter takes numpy order and reverses it.
+
+Vocabulary, from the store's tokenizer.json:
+- SentencePiece-derived BPE (byte_fallback, "▁" metaspace; Mixtral, Mistral, Llama 2) ->
+  tokenizer model "llama". tokenizer.json has no piece scores; llama.cpp's SPM tokenizer
+  merges the adjacent pair of highest score, so a token's score is minus the rank of the
+  first merge producing it (the same merge order as the BPE model in tokenizer.json).
+- Byte-level BPE (GPT-2 style; Qwen, Llama 3, OLMo) -> "gpt2", merges copied, with
+  llama.cpp's pre-tokenizer name recognised from the Split regex (qwen2, llama-bpe, gpt-2).
+Special token ids, add_bos/add_eos and the chat template come from gguf.SpecialVocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibri.errors import ConversionError, TokenizerError
+from colibri.io.format import Store, open_store, tensor_nbytes
+
+# colibri model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name)
+ARCHS: dict[str, str] = {"mixtral": "LLAMA", "qwen3_moe": "QWEN3MOE"}
+EXPERT_TENSORS = {"gate": "FFN_GATE_EXP", "up": "FFN_UP_EXP", "down": "FFN_DOWN_EXP"}
+
+# the Split regex of a byte-level BPE tokenizer.json -> llama.cpp's tokenizer.ggml.pre
+_QWEN2_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_RE = _QWEN2_RE.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+BPE_PRE: dict[str, str] = {_QWEN2_RE: "qwen2", _LLAMA3_RE: "llama-bpe", _GPT2_RE: "gpt-2"}
+
+
+@dataclass
+class _Tensor:
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # logical, numpy order (slowest first)
+    qtype: str  # colibri qtype name
+    load: Callable[[], np.ndarray]  # the bytes, C order, exactly tensor_nbytes(qtype, shape)
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+def _ggml_type(qtype: str):
+    return _gguf().GGMLQuantizationType[qtype.upper()]
+
+
+# ---- hyperparameters ---------------------------------------------------------------------
+
+
+def _cfg(config: dict[str, Any], *keys: str, default: Any = ...) -> Any:
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    if default is ...:
+        raise ConversionError(f"manifest.json config: missing field {keys[0]!r}")
+    return default
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise ConversionError(
+            f"manifest.json config: rope type {kind!r} is not exported (only plain RoPE)"
+        )
+    return float(rope.get("rope_theta", _cfg(config, "rope_theta", default=10000.0)))
+
+
+def _check_supported(store: Store) -> None:
+    cfg, mt = store.config, store.model_type
+    if mt not in ARCHS:
+        raise ConversionError(
+            f"{store.path}: model_type {mt!r} has no GGUF export (supported: {', '.join(ARCHS)})"
+        )
+    n_layer = int(_cfg(cfg, "num_hidden_layers"))
+    if store.moe_layers != list(range(n_layer)):
+        raise ConversionError(
+            f"{store.path}: only stores whose every layer is MoE are exported "
+            f"(MoE layers: {store.moe_layers})"
+        )
+    if store.layout.qtype not in ("q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"):
+        raise ConversionError(f"{store.path}: expert qtype {store.layout.qtype!r} unsupported")
+    if set(store.layout.tensors) != {"gate", "up", "down"}:
+        raise ConversionError(f"{store.path}: expert biases have no place in arch {ARCHS[mt]}")
+    if mt == "qwen3_moe" and not cfg.get("norm_topk_prob", False):
+        raise ConversionError(
+            f"{store.path}: config.norm_topk_prob is false, but llama.cpp's qwen3moe always "
+            "renormalises the top-k weights"
+        )
+    window = cfg.get("sliding_window")
+    if mt == "mixtral" and window and window < int(cfg.get("max_position_embeddings", 0)):
+        warnings.warn(
+            f"{store.path}: sliding_window={window} is ignored by llama.cpp's llama arch; "
+            "outputs differ past that many tokens",
+            stacklevel=3,
+        )
+
+
+def _add_hparams(w: Any, store: Store) -> None:
+    gguf, cfg = _gguf(), store.config
+    n_head = int(_cfg(cfg, "num_attention_heads"))
+    n_embd = int(_cfg(cfg, "hidden_size"))
+    head_dim = int(_cfg(cfg, "head_dim", default=n_embd // n_head))
+    w.add_name(str(store.manifest.get("source", {}).get("name") or store.path.name))
+    w.add_vocab_size(int(_cfg(cfg, "vocab_size")))
+    w.add_context_length(int(_cfg(cfg, "max_position_embeddings")))
+    w.add_embedding_length(n_embd)
+    w.add_block_count(int(_cfg(cfg, "num_hidden_layers")))
+    w.add_head_count(n_head)
+    w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
+    w.add_rope_freq_base(_rope_theta(cfg))
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
+    w.add_expert_count(store.num_experts)
+    w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
+    if store.model_type == "mixtral":
+        w.add_feed_forward_length(store.layout.d_ff)
+    else:  # qwen3moe: n_ff_exp from its own key; head_dim is free of n_embd / n_head
+        w.add_feed_forward_length(int(_cfg(cfg, "intermediate_size", default=store.layout.d_ff)))
+        w.add_expert_feed_forward_length(store.layout.d_ff)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    ftype = {
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "f32": gguf.LlamaFileType.ALL_F32,
+    }[store.layout.qtype]
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+# ---- tensors -----------------------------------------------------------------------------
+
+
+def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder the rows of a q_proj / k_proj weight (or bias) from HF's rotate-half RoPE
+    layout to GGML's adjacent-pair layout, as llama.cpp's `LlamaModel.permute` does.
+
+    `w`: [n_head * head_dim, ...] (any dtype; a block-quantized row of uint8 is moved whole).
+    Within each head, new row 2i = old row i, new row 2i+1 = old row i + head_dim // 2.
+    Returns a new C-contiguous array of the same shape."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ConversionError(f"cannot RoPE-permute {rows} rows over {n_head} heads")
+    out = w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(out.reshape(w.shape))
+
+
+def _dense_bytes(store: Store, name: str, permute_heads: int) -> np.ndarray:
+    """A dense tensor as it goes into the GGUF: block qtypes as stored uint8 rows, floats in
+    their stored width (f16 / bf16 narrowed back exactly), RoPE-permuted if asked."""
+    arr, qtype, _ = store.dense(name)
+    if qtype == "f16":
+        arr = arr.astype(np.float16)
+    elif qtype == "bf16":
+        arr = (arr.view(np.uint32) >> 16).astype(np.uint16)
+    if permute_heads:
+        arr = rope_permute(arr, permute_heads)
+    return np.ascontiguousarray(arr)
+
+
+def _plan(store: Store) -> list[_Tensor]:
+    gguf, cfg = _gguf(), store.config
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])
+    n_layer = int(_cfg(cfg, "num_hidden_layers"))
+    names = gguf.get_tensor_name_map(arch, n_layer)
+    n_head = int(_cfg(cfg, "num_attention_heads"))
+    n_head_kv = int(_cfg(cfg, "num_key_value_heads", default=n_head))
+    plan: list[_Tensor] = []
+    for hf in store.dense_names():
+        base, suffix = hf.rsplit(".", 1)
+        gname = names.get_name(base)
+        if gname is None or suffix not in ("weight", "bias"):
+            raise ConversionError(
+                f"{store.dense_path}: tensor {hf!r} has no GGUF name in arch {arch.name.lower()}"
+            )
+        heads = 0
+        if arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.q_proj"):
+            heads = n_head
+        elif arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.k_proj"):
+            heads = n_head_kv
+        qtype = store.dense_qtype(hf)
+        shape = tuple(store.manifest["dense"][hf]["shape"])
+        load = lambda n=hf, h=heads: _dense_bytes(store, n, h)  # noqa: E731
+        plan.append(_Tensor(f"{gname}.{suffix}", shape, qtype, load))
+    for layer in store.moe_layers:
+        stack = _ExpertStack(store, layer)
+        for part, tensor in EXPERT_TENSORS.items():
+            spec = store.layout.tensors[part]
+            gname = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, tensor)].format(bid=layer)
+            shape = (store.num_experts, *spec.shape)
+            plan.append(_Tensor(f"{gname}.weight", shape, spec.qtype, stack.loader(part)))
+    return plan
+
+
+class _ExpertStack:
+    """Reads one layer's records once (checksums verified), hands out gate / up / down
+    stacked over experts as uint8 [E, rows, row_nbytes] (or floats), then drops the buffer."""
+
+    def __init__(self, store: Store, layer: int) -> None:
+        self.store, self.layer = store, layer
+        self.raw: np.ndarray | None = None
+        self.left = set(EXPERT_TENSORS)
+
+    def _read(self) -> np.ndarray:
+        st = self.store
+        recs = [st.record(self.layer, e) for e in range(st.num_experts)]
+        raw = np.empty((len(recs), st.layout.record_nbytes), np.uint8)
+        with open(st.experts_path, "rb", buffering=0) as f:
+            for i, r in enumerate(recs):
+                if f.seek(r.offset) != r.offset or f.readinto(raw[i]) != r.nbytes:
+                    raise ConversionError(
+                        f"{st.experts_path}: short read of layer {r.layer} expert {r.expert}"
+                    )
+                st.verify_record(r, raw[i])
+        return raw
+
+    def loader(self, part: str) -> Callable[[], np.ndarray]:
+        def load() -> np.ndarray:
+            if self.raw is None:
+                self.raw = self._read()
+            spec = self.store.layout.tensors[part]
+            out = np.ascontiguousarray(self.raw[:, spec.offset : spec.offset + spec.nbytes])
+            self.left.discard(part)
+            if not self.left:
+                self.raw = None
+            dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(spec.qtype)
+            return out.view(dtype) if dtype else out
+
+        return load
+
+
+# ---- vocabulary --------------------------------------------------------------------------
+
+
+def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in merges]
+
+
+def tokenizer_kind(tok: dict[str, Any]) -> str:
+    """Which GGUF tokenizer model a parsed tokenizer.json maps to: "llama" (SentencePiece-
+    derived BPE with byte fallback) or "gpt2" (byte-level BPE). Raises TokenizerError."""
+    model = tok.get("model", {})
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"tokenizer.json: model type {model.get('type')!r} not exported")
+    text = json.dumps(
+        [tok.get("pre_tokenizer"), tok.get("normalizer"), tok.get("decoder")], ensure_ascii=False
+    )
+    if '"ByteLevel"' in text:
+        return "gpt2"
+    if model.get("byte_fallback") and "\u2581" in text:
+        return "llama"
+    raise TokenizerError("tokenizer.json: neither SentencePiece-style nor byte-level BPE")
+
+
+def bpe_pre_name(tok: dict[str, Any]) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a byte-level tokenizer.json, from its Split regex
+    (ByteLevel's own regex is GPT-2's). Unknown regexes give "default" with a warning."""
+    found: list[str] = []
+
+    def walk(node: Any) -> Iterator[dict[str, Any]]:
+        if isinstance(node, dict):
+            yield node
+            for v in node.values():
+                yield from walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from walk(v)
+
+    for node in walk(tok.get("pre_tokenizer")):
+        if node.get("type") == "Split" and "Regex" in node.get("pattern", {}):
+            found.append(node["pattern"]["Regex"])
+        elif node.get("type") == "ByteLevel" and node.get("use_regex", True):
+            found.append(_GPT2_RE)
+    for regex in found:
+        if regex in BPE_PRE:
+            return BPE_PRE[regex]
+    warnings.warn(
+        f"tokenizer.json: pre-tokenizer {found[:1]} unknown to this exporter; llama.cpp will "
+        "use its default BPE pre-tokenizer",
+        stacklevel=2,
+    )
+    return "default"
+
+
+def vocab_tokens(
+    tok: dict[str, Any], vocab_size: int, unk_token: str | None = None
+) -> tuple[str, list[str], list[float], list[int]]:
+    """(tokenizer model, tokens, scores, token types) for GGUF from a parsed tokenizer.json,
+    padded to the model's `vocab_size` with unused "[PAD{i}]" entries.
+
+    Types follow gguf.TokenType: added special tokens CONTROL, other added tokens USER_DEFINED,
+    "<0xXX>" BYTE (llama), `unk_token` UNKNOWN (llama), the rest NORMAL. Scores (llama only):
+    minus the rank of the first merge producing the token, -(n_merges + id) for a multi-
+    character token no merge produces, 0 for the rest. Raises TokenizerError."""
+    gguf = _gguf()
+    kind = tokenizer_kind(tok)
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    added = {a["content"]: a for a in tok.get("added_tokens", [])}
+    for content, a in added.items():
+        vocab[content] = a["id"]
+    if not vocab or max(vocab.values()) >= vocab_size:
+        raise TokenizerError(
+            f"tokenizer.json: token id {max(vocab.values(), default=-1)} outside the model's "
+            f"vocab_size {vocab_size}"
+        )
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [int(gguf.TokenType.UNUSED)] * vocab_size
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, int(gguf.TokenType.NORMAL)
+    scores = [0.0] * vocab_size
+    if kind == "llama":
+        merges = _merge_pairs(tok["model"].get("merges", []))
+        rank: dict[str, int] = {}
+        for r, (a, b) in enumerate(merges):
+            rank.setdefault(a + b, r)
+        for text, i in vocab.items():
+            if text in rank:
+                scores[i] = -float(rank[text])
+            elif len(text) > 1 and text not in added and not _is_byte(text):
+                scores[i] = -float(len(merges) + i)
+            if _is_byte(text):
+                types[i] = int(gguf.TokenType.BYTE)
+    for a in added.values():
+        special = a.get("special", False)
+        types[a["id"]] = int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+    if kind == "llama" and unk_token in vocab:
+        types[vocab[unk_token]] = int(gguf.TokenType.UNKNOWN)
+    return kind, tokens, scores, types
+
+
+def _is_byte(text: str) -> bool:
+    return re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text) is not None
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _add_vocab(w: Any, store: Store) -> str:
+    gguf = _gguf()
+    path = store.path / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"{path}: missing; a GGUF for llama.cpp needs the vocabulary")
+    try:
+        tok = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
+    tcfg_path = store.path / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
+    vocab_size = int(_cfg(store.config, "vocab_size"))
+    kind, tokens, scores, types = vocab_tokens(
+        tok, vocab_size, _token_text(tcfg.get("unk_token")) or "<unk>"
+    )
+    w.add_tokenizer_model(kind)
+    w.add_tokenizer_pre(bpe_pre_name(tok) if kind == "gpt2" else "default")
+    w.add_token_list(tokens)
+    if kind == "llama":
+        w.add_token_scores(scores)
+        prepend = [
+            n.get("prepend_scheme", "always" if n.get("add_prefix_space", True) else "never")
+            for n in _walk_types(tok.get("pre_tokenizer"), "Metaspace")
+        ]
+        if prepend:
+            w.add_add_space_prefix(prepend[0] != "never")
+    w.add_token_types(types)
+    special = gguf.SpecialVocab(store.path, load_merges=kind == "gpt2", n_vocab=vocab_size)
+    for typ in ("bos", "eos", "pad", "unk"):  # the model config's ids as the last resort
+        tid = store.config.get(f"{typ}_token_id")
+        if typ not in special.special_token_ids and isinstance(tid, int) and tid < vocab_size:
+            special.special_token_ids[typ] = tid
+    special.add_to_gguf(w, quiet=True)
+    return kind
+
+
+def _walk_types(node: Any, typ: str) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if node.get("type") == typ:
+            yield node
+        for v in node.values():
+            yield from _walk_types(v, typ)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk_types(v, typ)
+
+
+# ---- the export --------------------------------------------------------------------------
+
+
+def export_gguf(
+    store_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    show_progress: bool = False,
+) -> Path:
+    """Write the store at `store_path` as a GGUF file `out_path` for llama.cpp.
+
+    Expert and dense weights are copied byte for byte (q/k rows of arch "llama" reordered, see
+    the module docstring); each layer's expert records are read once and their XXH3 checksums
+    verified. The file is written to a temporary name beside `out_path` and renamed at the end;
+    on any error nothing is left behind. Returns `out_path`.
+
+    Raises StoreError (invalid store, checksum mismatch), ConversionError (model type or
+    config llama.cpp cannot run as stored, or `out_path` exists without `force`),
+    TokenizerError (tokenizer.json missing or of an unsupported kind)."""
+    gguf = _gguf()
+    store = open_store(store_path)
+    out = Path(out_path)
+    if out.exists() and not force:
+        raise ConversionError(f"{out}: already exists (use --force to replace it)")
+    _check_supported(store)
+    arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])]
+    plan = _plan(store)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    bar = None
+    try:
+        w = gguf.GGUFWriter(tmp, arch_name)
+        _add_hparams(w, store)
+        _add_vocab(w, store)
+        for t in plan:
+            nbytes = tensor_nbytes(t.qtype, t.shape)
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, _ggml_type(t.qtype))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        if show_progress:
+            from tqdm import tqdm
+
+            total = sum(tensor_nbytes(t.qtype, t.shape) for t in plan)
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="gguf")
+        for t in plan:
+            data = t.load()
+            if data.nbytes != tensor_nbytes(t.qtype, t.shape):
+                raise ConversionError(f"{t.name}: {data.nbytes} bytes, expected {t.shape}")
+            w.write_tensor_data(data)
+            if bar is not None:
+                bar.update(data.nbytes)
+        w.flush()
+        assert w.fout is not None
+        for f in w.fout:
+            os.fsync(f.fileno())
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE", help="colibri store directory")
+    p.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT.gguf")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    out = export_gguf(args.store, args.out, force=args.force, show_progress=True)
+    size = out.stat().st_size / 2**30
+    print(f"wrote {out} ({size:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colibri.errors import ColibriError
+
+    p = argparse.ArgumentParser(
+        prog="python -m colibri.export_gguf", description=__doc__.splitlines()[0]
+    )
+    configure_parser(p)
+    args = p.parse_args(argv)
+    try:
+        return run_cli(args)
+    except ColibriError as exc:
+        print(f"export_gguf: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
