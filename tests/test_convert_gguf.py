@@ -3,6 +3,8 @@ un-permuted for llama-arch) and equal to the HF originals, config rebuilt from m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,37 @@ def test_gguf_unsupported_arch(tmp_path):
     w.close()
     with pytest.raises(ConversionError, match="unsupported GGUF architecture 'gemma'"):
         convert(src, tmp_path / "out", show_progress=False)
+
+
+VOCAB = Path(__file__).resolve().parents[2] / "shared/data/tokenizers/gguf_vocab"
+
+
+def test_gguf_tokenizer_rebuilt_matches_llama_cpp_vectors():
+    """tokenizer.json rebuilt from a real Qwen2 GGUF vocabulary reproduces llama.cpp's own
+    reference tokenizations (the .inp/.out vectors shipped with llama.cpp)."""
+    path = VOCAB / "ggml-vocab-qwen2.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} absent")
+    from tokenizers import Tokenizer
+
+    from colibri.convert.gguf import gguf_tokenizer_files
+
+    files = dict(gguf_tokenizer_files(gguf.GGUFReader(path), path))
+    assert "<|im_start|>" in files["chat_template.jinja"].decode()
+    tok = Tokenizer.from_str(files["tokenizer.json"].decode())
+    inputs = path.with_suffix(".gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    outputs = path.with_suffix(".gguf.out").read_text().split("\n")
+    assert len(inputs) > 30
+    for text, ids in zip(inputs, outputs, strict=False):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(x) for x in ids.split()]
+    assert tok.encode("<|im_start|>user").ids[0] == 151644  # special token kept whole
+
+
+def test_gguf_spm_vocab_gets_no_tokenizer_json(capsys):
+    path = VOCAB / "ggml-vocab-llama-spm.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} absent")
+    from colibri.convert.gguf import gguf_tokenizer_files
+
+    assert gguf_tokenizer_files(gguf.GGUFReader(path), path) == []
+    assert "no tokenizer.json made" in capsys.readouterr().err

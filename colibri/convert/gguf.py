@@ -7,13 +7,16 @@ already in its target storage type is copied bit-exact (rows un-permuted where l
 permuted Q/K for its rope), any other is dequantized by gguf and requantized.
 
 Architectures: GGUF "llama" with experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe.
-The config is rebuilt from GGUF metadata in HF spelling. No tokenizer.json is made (transformers
-5 dropped its GGUF tokenizer converter); the store gets no tokenizer files.
+The config is rebuilt from GGUF metadata in HF spelling. A tokenizer.json is rebuilt from the
+GGUF vocabulary for byte-level BPE vocabularies with the Qwen2 pre-tokenizer (`tokenizer.ggml.
+model` "gpt2", `pre` "qwen2": Qwen2/Qwen3 GGUFs); others (SentencePiece "llama", other `pre`
+regexes) get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,11 @@ _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+}
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
+_PRE_REGEX = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -101,6 +109,42 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         if v is not None:
             cfg[hf] = int(v)
     return model_type, cfg
+
+
+def gguf_tokenizer_files(reader: Any, path: Path) -> list[tuple[str, bytes]]:
+    """[(file name, contents)]: tokenizer.json rebuilt from the GGUF vocabulary when it is a
+    byte-level BPE with a known pre-tokenizer (see _PRE_REGEX), and chat_template.jinja."""
+    files = []
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        files.append(("chat_template.jinja", template.encode()))
+    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
+    if model != "gpt2" or pre not in _PRE_REGEX:
+        print(
+            f"note: {path}: no tokenizer.json made (tokenizer.ggml.model {model!r}, pre {pre!r};"
+            " only byte-level BPE with pre 'qwen2' is rebuilt)",
+            file=sys.stderr,
+        )
+        return files
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers as pt
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pt.Sequence(
+        [pt.Split(Regex(_PRE_REGEX[pre]), "isolated"), pt.ByteLevel(False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # token_type 3 = CONTROL, 4 = USER_DEFINED (llama.cpp's llama_token_type)
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True)
+         if ty in (3, 4)]
+    )  # fmt: skip
+    files.append(("tokenizer.json", tok.to_str().encode()))
+    return files
 
 
 def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -191,6 +235,8 @@ def convert_gguf(
                 bar.update(sum(int(p[r].n_bytes) for r in p))
         if bar is not None:
             bar.close()
+        for name, data in gguf_tokenizer_files(reader, src):
+            w.add_file(name, data)
         return w.finish(model_type, cfg, {"kind": "gguf", "name": src.name})
 
 
