@@ -162,11 +162,12 @@ def main() -> int:
         if not args.keep:
             os.unlink(args.file)
     buf = np.random.default_rng(2).integers(0, 256, rec, dtype=np.uint8)
-    xxhash.xxh3_64_intdigest(buf)
-    t0 = time.perf_counter()
-    for _ in range(5):
+    times = []
+    for _ in range(20):  # best of 20: the machine is shared
+        t0 = time.perf_counter()
         xxhash.xxh3_64_intdigest(buf)
-    hash_gbs = 5 * rec / (time.perf_counter() - t0) / 1e9
+        times.append(time.perf_counter() - t0)
+    hash_gbs = rec / min(times) / 1e9
     disk = results.get("uring") or results.get("fio")
     extra = f", {disk / hash_gbs:.1%} of a record's read time at {disk:.2f} GB/s" if disk else ""
     print(f"  xxh3_64 verify: {hash_gbs:.1f} GB/s on one core{extra}")
