@@ -72,9 +72,10 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
     const int64_t tiles = n_kv_heads * chunks * rblocks;
     const int isa = clb_isa_get();
     if (nthreads <= 0) nthreads = clb_default_threads();
-    /* threads only pay off past ~100k multiply-adds */
+    /* threads pay off past ~100 us of work (~1M multiply-adds); below that the fork/join
+     * costs more, and on a busy machine waiting for a descheduled thread costs milliseconds */
     const int64_t ctx = window > 0 && window < q_pos0 + n_q ? window : q_pos0 + n_q;
-    const int par = nthreads > 1 && tiles > 1 && n_q * n_heads * ctx * (dk + dv) > 100000;
+    const int par = nthreads > 1 && tiles > 1 && n_q * n_heads * ctx * (dk + dv) > 1000000;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (par)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t r = t % rblocks, c = t / rblocks % chunks, g = t / rblocks / chunks;

@@ -318,18 +318,23 @@ def expert_ffn(
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 
+_F32 = (np.dtype(np.float32),)
+_F32_F16 = (np.dtype(np.float32), np.dtype(np.float16))
+_I32 = (np.dtype(np.int32),)
+
+
 def _arr(
     a: object,
     name: str,
-    dtypes: tuple[type, ...] = (np.float32,),
+    dtypes: tuple[np.dtype, ...] = _F32,
     *,
     ndim: int | None = None,
     writable: bool = False,
 ) -> np.ndarray:
     """Check one kernel argument: numpy array, dtype in `dtypes`, C-contiguous, ndim."""
-    want = " or ".join(np.dtype(d).name for d in dtypes)
-    if not isinstance(a, np.ndarray) or a.dtype not in [np.dtype(d) for d in dtypes]:
+    if not isinstance(a, np.ndarray) or a.dtype not in dtypes:
         got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        want = " or ".join(d.name for d in dtypes)
         raise KernelError(f"{name} must be a {want} numpy array, got {got}")
     if not a.flags.c_contiguous:
         raise KernelError(f"{name} must be C-contiguous")
@@ -348,19 +353,22 @@ def _same_shape(out: np.ndarray, x: np.ndarray, what: str) -> None:
 def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: out = x / sqrt(mean(x**2) + eps) * w (as HF's LlamaRMSNorm,
     in f32). x, out: float32 [..., d] (out may be x); w: float32 [d] or None (= 1). Returns out.
-    Raises KernelError on wrong dtypes, shapes or eps < 0."""
+    Raises KernelError on wrong dtypes or shapes, or eps < 0."""
     _arr(x, "rmsnorm: x")
     _arr(out, "rmsnorm: out", writable=True)
     _same_shape(out, x, "rmsnorm")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise KernelError(f"rmsnorm: x must have a non-empty last axis, got shape {x.shape}")
     d = x.shape[-1]
+    if not eps >= 0.0:
+        raise KernelError(f"rmsnorm: eps={eps} must be >= 0")
     if w is not None and _arr(w, "rmsnorm: w").shape != (d,):
         raise KernelError(f"rmsnorm: w has shape {w.shape}, expected ({d},)")
     rc = lib.clb_rmsnorm(
         _ptr(out, "float *"), _ptr(x, "float *"), _ptr(w, "float *"), x.size // d, d, eps
     )
-    _check(rc, f"rmsnorm(d={d}, eps={eps})")
+    if rc:
+        _check(rc, f"rmsnorm(d={d}, eps={eps})")
     return out
 
 
@@ -385,7 +393,7 @@ def rope(
     head_dim (smaller for partial rotary). Returns x. Raises KernelError on bad arguments.
     """
     _arr(x, "rope: x", ndim=3, writable=True)
-    _arr(pos, "rope: pos", (np.int32,), ndim=1)
+    _arr(pos, "rope: pos", _I32, ndim=1)
     _arr(inv_freq, "rope: inv_freq", ndim=1)
     n_tokens, n_heads, head_dim = x.shape
     rot_dim = head_dim if rot_dim is None else int(rot_dim)
@@ -411,7 +419,8 @@ def rope(
         mscale,
         _ROPE_MODES[mode],
     )
-    _check(rc, f"rope(shape={x.shape}, rot_dim={rot_dim}, mode={mode})")
+    if rc:
+        _check(rc, f"rope(shape={x.shape}, rot_dim={rot_dim}, mode={mode})")
     return x
 
 
@@ -421,7 +430,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
     _arr(x, "softmax: x", writable=True)
     if x.ndim < 1 or x.shape[-1] < 1:
         raise KernelError(f"softmax: x must have a non-empty last axis, got shape {x.shape}")
-    _check(lib.clb_softmax(_ptr(x, "float *"), x.size // x.shape[-1], x.shape[-1]), "softmax")
+    if lib.clb_softmax(_ptr(x, "float *"), x.size // x.shape[-1], x.shape[-1]):
+        raise KernelError(f"softmax: invalid arguments (shape {x.shape})")
     return x
 
 
@@ -444,14 +454,15 @@ def topk(
     shape = (*x.shape[:-1], k)
     idx = np.empty(shape, np.int32) if idx_out is None else idx_out
     val = np.empty(shape, np.float32) if val_out is None else val_out
-    _arr(idx, "topk: idx_out", (np.int32,), writable=True)
+    _arr(idx, "topk: idx_out", _I32, writable=True)
     _arr(val, "topk: val_out", writable=True)
     if idx.shape != shape or val.shape != shape:
         raise KernelError(f"topk: idx_out {idx.shape} and val_out {val.shape} must be {shape}")
     rc = lib.clb_topk(
         _ptr(idx, "int32_t *"), _ptr(val, "float *"), _ptr(x, "float *"), x.size // d, d, k
     )
-    _check(rc, f"topk(d={d}, k={k})")
+    if rc:
+        _check(rc, f"topk(d={d}, k={k})")
     return idx, val
 
 
@@ -460,7 +471,8 @@ def silu(out: np.ndarray, x: np.ndarray) -> np.ndarray:
     _arr(x, "silu: x")
     _arr(out, "silu: out", writable=True)
     _same_shape(out, x, "silu")
-    _check(lib.clb_silu(_ptr(out, "float *"), _ptr(x, "float *"), x.size), "silu")
+    if lib.clb_silu(_ptr(out, "float *"), _ptr(x, "float *"), x.size):
+        raise KernelError(f"silu: invalid arguments (shape {x.shape})")
     return out
 
 
@@ -470,7 +482,8 @@ def gelu(out: np.ndarray, x: np.ndarray) -> np.ndarray:
     _arr(x, "gelu: x")
     _arr(out, "gelu: out", writable=True)
     _same_shape(out, x, "gelu")
-    _check(lib.clb_gelu(_ptr(out, "float *"), _ptr(x, "float *"), x.size), "gelu")
+    if lib.clb_gelu(_ptr(out, "float *"), _ptr(x, "float *"), x.size):
+        raise KernelError(f"gelu: invalid arguments (shape {x.shape})")
     return out
 
 
@@ -499,8 +512,8 @@ def attention(
     Raises KernelError on inconsistent shapes, dtypes or positions.
     """
     _arr(q, "attention: q", ndim=3)
-    _arr(k_cache, "attention: k_cache", (np.float32, np.float16), ndim=3)
-    _arr(v_cache, "attention: v_cache", (np.float32, np.float16), ndim=3)
+    _arr(k_cache, "attention: k_cache", _F32_F16, ndim=3)
+    _arr(v_cache, "attention: v_cache", _F32_F16, ndim=3)
     _arr(out, "attention: out", ndim=3, writable=True)
     n_q, n_heads, dk = q.shape
     n_ctx, n_kv_heads, dk_cache = k_cache.shape
@@ -555,5 +568,6 @@ def attention(
         _ptr(sinks, "float *"),
         nthreads,
     )
-    _check(rc, f"attention(q={q.shape}, k_cache={k_cache.shape}, n_kv={n_kv})")
+    if rc:
+        _check(rc, f"attention(q={q.shape}, k_cache={k_cache.shape}, n_kv={n_kv})")
     return out
