@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from colibri.engine import open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
-from colibri.run import parse_size  # noqa: E402
+from colibri.run import parse_size, size_arg  # noqa: E402
 
 STORES = Path("/tmp/stores")
 
@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--big", type=Path, default=STORES / "qwen3-30b-a3b-q4_0")
     ap.add_argument(
         "--budget",
-        type=parse_size,
+        type=size_arg,
         default=parse_size("4G"),
         help="expert cache for the big store (default 4G)",
     )

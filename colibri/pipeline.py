@@ -152,14 +152,16 @@ class Pipeline:
         async def fetch(e: int) -> tuple[int, Any]:
             return e, await self.cache.get(i, e)
 
-        pending = [asyncio.ensure_future(fetch(int(e))) for e in experts]
+        tasks = [asyncio.ensure_future(fetch(int(e))) for e in experts]
+        consumed: set[asyncio.Future] = set()
         try:
+            pending = set(tasks)
             while pending:
                 t0 = time.perf_counter()
-                done, still = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 self.times.wait_io += time.perf_counter() - t0
-                pending = list(still)
                 for task in done:
+                    consumed.add(task)
                     e, lease = task.result()
                     try:
                         tok, slot = np.nonzero(ids == e)
@@ -171,14 +173,14 @@ class Pipeline:
                     finally:
                         lease.release()
         finally:
-            for task in pending:
-                task.cancel()
-            for task in pending:
-                try:
-                    _, lease = await task
-                except BaseException:
-                    continue
-                lease.release()
+            # on error or cancellation: stop the other reads, collect their outcome (so no
+            # exception goes unretrieved) and release what they hold
+            rest = [t for t in tasks if t not in consumed]
+            for t in rest:
+                t.cancel()
+            for r in await asyncio.gather(*rest, return_exceptions=True):
+                if isinstance(r, tuple):
+                    r[1].release()
         return slots
 
 

@@ -31,6 +31,14 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def size_arg(text: str) -> int:
+    """parse_size for argparse (its message reaches the user)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """Options shared by run, chat and the benchmarks."""
     g = p.add_argument_group("engine")
@@ -39,7 +47,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "--ram-budget",
         "--expert-cache",
         dest="budget",
-        type=parse_size,
+        type=size_arg,
         help="bytes of RAM for the expert cache, e.g. 4G (default: all experts if they fit in "
         "half the available memory, else that half)",
     )

@@ -66,9 +66,110 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# DeepSeek-V2/V3, GLM-4.5 MoE and gpt-oss cases (issue 6), by case name: several routing
+# group settings, MLA with and without q_lora_rank, YaRN with mscale_all_dim, sliding window 8
+# (shorter than the test prompt). MLA expands keys per head: num_key_value_heads == heads.
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
+_MLA |= dict(v_head_dim=12, intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1)
+_YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64)
+EXTRA_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        _MLA
+        | dict(
+            q_lora_rank=48,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            routed_scaling_factor=1.5,
+            rope_parameters=_YARN | dict(mscale=0.707, mscale_all_dim=0.707),
+        ),
+    ),
+    "deepseek_v2_grouped_no_q_lora": (
+        "DeepseekV2Config",
+        _MLA
+        | dict(
+            q_lora_rank=None,
+            n_routed_experts=12,
+            num_experts_per_tok=3,
+            first_k_dense_replace=0,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.0,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        _MLA
+        | dict(
+            q_lora_rank=48,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            rope_parameters=_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
+        ),
+    ),
+    "deepseek_v3_one_group_no_q_lora": (
+        "DeepseekV3Config",
+        _MLA
+        | dict(
+            q_lora_rank=None,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            rope_interleave=False,
+        ),
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            head_dim=32,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.8,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,  # low enough that the clamp bites in a tiny model
+            attention_bias=True,
+        ),
+    ),
+}
+
+
 def build(model_type: str, seed: int = 0) -> Any:
-    """A tiny random *ForCausalLM of `model_type` in f32 eval mode, norms and biases perturbed."""
-    cls_name, extra = CONFIGS[model_type]
+    """A tiny random *ForCausalLM of `model_type` (a CONFIGS or EXTRA_CONFIGS name) in f32 eval
+    mode, norms and biases perturbed; DeepSeek/GLM `e_score_correction_bias` (0 by default)
+    and gpt-oss attention sinks are randomised too."""
+    cls_name, extra = {**CONFIGS, **EXTRA_CONFIGS}[model_type]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
@@ -79,6 +180,11 @@ def build(model_type: str, seed: int = 0) -> Any:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid scores are in (0, 1)
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
     return model
 
 
@@ -115,3 +221,81 @@ def greedy(model: Any, ids: list[int], n: int) -> list[int]:
             torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n
         )
     return out[0, len(ids) :].tolist()
+
+
+def router_margins(mod: Any, logits: Any) -> Any:
+    """Per token, the smallest margin at the cuts the router `mod` makes (groups kept, experts
+    chosen), recomputed from its logits as the transformers router does (DeepSeek-V2/V3,
+    GLM-4.5, gpt-oss). Returns a float tensor [n_tokens]."""
+    k, logits = mod.top_k, logits.float()
+    bias = getattr(mod, "e_score_correction_bias", None)
+    if "GptOss" in type(mod).__name__:
+        choice = logits  # top-k on the biased logits
+    elif bias is not None:
+        choice = logits.sigmoid() + bias
+    else:
+        choice = logits.softmax(dim=-1)
+    margin = torch.full((len(choice),), float("inf"))
+    grouped = bias is not None or getattr(mod, "topk_method", "") == "group_limited_greedy"
+    if grouped and mod.topk_group < mod.num_group:
+        g = choice.view(len(choice), mod.num_group, -1)
+        gs = g.topk(2, dim=-1)[0].sum(-1) if bias is not None else g.max(-1).values
+        top = gs.topk(mod.topk_group + 1, dim=-1).values
+        margin = torch.minimum(margin, top[:, -2] - top[:, -1])
+        keep = gs.topk(mod.topk_group, dim=-1).indices
+        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
+    top = choice.topk(k + 1, dim=-1).values
+    return torch.minimum(margin, (top[:, k - 1] - top[:, k]).nan_to_num(float("inf")))
+
+
+def choice_gap(model: Any, ids: list[int]) -> float:
+    """Like router_gap(), for every router family: the smallest margin, over layers and tokens,
+    at each cut the router makes (score used for choosing, correction bias and group limits
+    included), and between the two largest output logits, on the sequence `ids`."""
+    gaps: list[float] = []
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    hooks = [
+        m.register_forward_hook(
+            lambda mod, _a, out: gaps.append(float(router_margins(mod, out[0]).min()))
+        )
+        for m in routers
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return min([*gaps, float((top2[:, 0] - top2[:, 1]).min())])
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+OLMOE_TOKENIZER = SHARED / "tokenizers" / "olmoe" / "allenai_gpt-neox-olmo-dolma-v1_5.json"
+
+
+def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
+    """A tiny model whose vocabulary is the real OLMoE tokenizer's (50304 ids), saved to path
+    with tokenizer.json, tokenizer_config.json (ChatML-style template) and
+    generation_config.json. Returns the transformers model."""
+    import pytest
+
+    if not OLMOE_TOKENIZER.exists():
+        pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
+    cls_name, extra = CONFIGS[model_type]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, "vocab_size": 50304})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    import json
+
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": template})
+    )
+    return model

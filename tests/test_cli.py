@@ -1,0 +1,101 @@
+"""The command line end to end on a converted tiny model with a real tokenizer, and the
+errors users meet: one clear line, a non-zero exit code, no traceback."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from colibri.convert import convert
+from tests import hf_models
+
+torch = hf_models.torch
+
+
+def colibri(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = hf_models.save_with_tokenizer("mixtral", root / "hf", seed=2)
+    convert(root / "hf", root / "store", quant="q8_0", dense_quant="q8_0")
+    return model, root / "hf", root / "store"
+
+
+def test_run_streams_greedy_text_and_statistics(tiny):
+    model, hf, store = tiny
+    prompt = "The quick brown fox"
+    res = colibri("run", str(store), "-p", prompt, "-n", "12", "--io", "threads")
+    assert res.returncode == 0, res.stderr
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(hf)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    # transformers on the float weights; q8_0 storage may flip a near-tie, so compare the
+    # text only when transformers' greedy choice had a clear margin
+    gen = hf_models.greedy(model, ids[0].tolist(), 12)
+    assert res.stdout.startswith(prompt)
+    text = res.stdout[len(prompt) :]
+    if hf_models.router_gap(model, ids[0].tolist() + gen) > 1e-2:
+        assert text == tok.decode(gen)
+    line = res.stderr.strip().splitlines()[-1]
+    assert re.search(
+        r"\d+ prompt \+ 12 generated tokens, length; TTFT \d+ ms; [\d.]+ tok/s; "
+        r"hit rate [\d.]+%; read [\d.]+ [KMG]iB/token; RSS",
+        line,
+    ), line
+
+
+def test_chat_renders_template(tiny):
+    _, _, store = tiny
+    res = subprocess.run(
+        [sys.executable, "-m", "colibri", "chat", str(store), "-n", "4", "--io", "threads"],
+        input="hello\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "generated tokens" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "case, args, message",
+    [
+        ("missing", ["run", "/nonexistent/store", "-p", "x"], r"/nonexistent/store"),
+        ("not a store", ["run", "{tmp}", "-p", "x"], r"manifest"),
+        ("context", ["run", "{store}", "-p", "word " * 64, "--ctx", "16"], r"prompt too long"),
+        ("sampling", ["run", "{store}", "-p", "x", "--temperature", "-1"], r"temperature"),
+        ("budget", ["run", "{store}", "-p", "x", "--budget", "lots"], r"invalid size"),
+    ],
+)
+def test_bad_input_one_clear_line(tiny, tmp_path, case, args, message):
+    _, _, store = tiny
+    args = [a.format(tmp=tmp_path, store=store) for a in args]
+    res = colibri(*args)
+    assert res.returncode != 0, case
+    assert "Traceback" not in res.stderr, res.stderr
+    assert re.search(message, res.stderr), res.stderr
+
+
+def test_corrupt_record_is_reported(tiny, tmp_path):
+    _, _, store = tiny
+    bad = tmp_path / "store"
+    subprocess.run(["cp", "-r", str(store), str(bad)], check=True)
+    with open(bad / "experts.bin", "r+b") as f:  # flip one byte of every record's start
+        import json
+
+        for rec in json.loads((bad / "manifest.json").read_text())["experts"]:
+            f.seek(rec["offset"] + 100)
+            b = f.read(1)
+            f.seek(rec["offset"] + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    res = colibri("run", str(bad), "-p", "hello", "-n", "2")
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert re.search(r"checksum mismatch in layer \d+ expert \d+", res.stderr), res.stderr
