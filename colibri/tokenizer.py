@@ -284,7 +284,8 @@ class Tokenizer:
 
         Raises:
             TokenizerError: no template, a template syntax error, or the template raised
-                (`raise_exception`, e.g. a role it does not support); names the template source.
+                (`raise_exception`, e.g. a role it does not support, or a Python error such as
+                a TypeError on an unexpected argument type); names the tokenizer directory.
         """
         source = self.get_chat_template(chat_template, tools)
         if not messages:
@@ -310,8 +311,8 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.source}: chat template: {e}") from e
+        except Exception as e:  # hub templates are code: TemplateError, TypeError, ...
+            raise TokenizerError(f"{self.source}: chat template: {type(e).__name__}: {e}") from e
 
 
 # --- jinja sandbox, as transformers/utils/chat_template_utils.py ----------------------------
