@@ -32,8 +32,8 @@ import argparse
 import json
 import os
 import re
+import secrets
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -449,9 +449,8 @@ def export_gguf(
     _check_supported(store)
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])]
     plan = _plan(store)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    # GGUFWriter creates the file itself (mode 0666 & ~umask); the name only has to be unique
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     bar = None
     try:
         w = gguf.GGUFWriter(tmp, arch_name)

@@ -9,13 +9,14 @@
 # --save-logits writes the last token's logits, used by the same-weights check), and
 # $PREFIX/src (the vendored llama.cpp tree, with its convert_hf_to_gguf.py and gguf-py).
 # Env: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), COLIBRI_CACHE (default ~/.cache/colibri),
-#      JOBS (default 2), PYTHON (default the repo's .venv/bin/python, else python3).
+#      JOBS (default 2), NICE (default 19), PYTHON (default the repo's .venv/bin/python).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${COLIBRI_CACHE:-$HOME/.cache/colibri}"
 PREFIX="$CACHE/llama.cpp-$VERSION"
 JOBS="${JOBS:-2}"
+NICE="${NICE:-19}"
 TARGETS=(llama-bench llama-completion llama-quantize llama-debug)
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
@@ -51,13 +52,13 @@ src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [[ -f "$src/CMakeLists.txt" ]] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
 
 echo "configuring (CPU only, static, Release, native ISA)"
-nice -n 19 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+nice -n "$NICE" cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF >"$work/configure.log"
 echo "building ${TARGETS[*]} with -j$JOBS (several minutes)"
 start=$(date +%s)
-nice -n 19 cmake --build "$work/build" --config Release -j "$JOBS" --target "${TARGETS[@]}" \
+nice -n "$NICE" cmake --build "$work/build" --config Release -j "$JOBS" --target "${TARGETS[@]}" \
   >"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
 

@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""llama.cpp as the peer: run its own tools on a GGUF (colibri.export_gguf writes one with the
+store's very bytes) and return tok/s and peak memory, optionally under a memory limit.
+
+The binaries come from tools/build_llama_cpp.sh (cached under ~/.cache/colibri), or from
+$COLIBRI_LLAMA_CPP_BIN. Nothing here runs in CI.
+
+    python bench/llama_cpp.py MODEL.gguf --threads 2                 # llama-bench pp + tg
+    python bench/llama_cpp.py MODEL.gguf --completion 64 --memory-limit 2G
+
+Memory limits use a cgroup made for the benchmark's own child process: a child of this
+process's cgroup (v2 `memory.max` if the memory controller is enabled there, else v1
+`memory.limit_in_bytes`), removed afterwards. Page cache is charged to the cgroup that first
+touches a page, so the GGUF's cached pages are dropped first (posix_fadvise DONTNEED), and
+llama.cpp's default mmap then has to live within the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama_bin_dir() -> Path:
+    """Directory holding llama-bench / llama-completion: $COLIBRI_LLAMA_CPP_BIN, else the cached
+    build of tools/build_llama_cpp.sh. Raises FileNotFoundError saying how to build it."""
+    env = os.environ.get("COLIBRI_LLAMA_CPP_BIN")
+    if env:
+        return Path(env)
+    res = subprocess.run(
+        ["bash", str(ROOT / "tools/build_llama_cpp.sh"), "--print"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise FileNotFoundError("llama.cpp is not built: run tools/build_llama_cpp.sh")
+    return Path(res.stdout.strip())
+
+
+def _exe(name: str) -> str:
+    path = llama_bin_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: rebuild with tools/build_llama_cpp.sh")
+    return str(path)
+
+
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
+    """Ask the kernel to drop the clean page-cache pages of `path` (posix_fadvise DONTNEED), so
+    the next reader pays for them again and, under a cgroup, is charged for them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---- llama-bench ------------------------------------------------------------------------
+
+
+def run_llama_bench(
+    gguf: str | os.PathLike[str],
+    threads: int,
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    repetitions: int = 3,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
+    """Prefill and decode speed of `gguf` from llama-bench's JSON output.
+
+    Runs `llama-bench -m GGUF -t threads -p n_prompt -n n_gen -r repetitions -o json` (one pp
+    test of n_prompt tokens, one tg test generating n_gen tokens after an empty context;
+    llama-bench warms up first). Returns {"pp_tok_s", "tg_tok_s" (means), "pp_samples",
+    "tg_samples" (tok/s per repetition), "build_commit", "cpu_info", "model_size" (bytes),
+    "model_n_params", "cmd"}. A side is None when its count is 0.
+    Raises FileNotFoundError (no build), subprocess.CalledProcessError (llama-bench failed)."""
+    cmd = [_exe("llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt),
+           "-n", str(n_gen), "-r", str(repetitions), "-o", "json", *(extra or [])]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
+    rows = json.loads(res.stdout)
+    out: dict[str, Any] = {"pp_tok_s": None, "tg_tok_s": None, "cmd": cmd}
+    for row in rows:
+        side = "tg" if row["n_gen"] > 0 else "pp"
+        out[f"{side}_tok_s"] = float(row["avg_ts"])
+        out[f"{side}_samples"] = [float(x) for x in row.get("samples_ts", [])]
+        for key in ("build_commit", "cpu_info", "model_size", "model_n_params", "n_threads"):
+            out[key] = row.get(key)
+    return out
+
+
+# ---- memory-limited runs ----------------------------------------------------------------
+
+
+def _own_memory_cgroup() -> tuple[int, Path]:
+    """(cgroup version, directory) of this process's memory cgroup."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    for line in lines:  # v1: "N:memory:/path"
+        _, ctrl, rel = line.split(":", 2)
+        if "memory" in ctrl.split(","):
+            return 1, Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+    for line in lines:  # v2: "0::/path", memory enabled for children of that path
+        _, ctrl, rel = line.split(":", 2)
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        if ctrl == "" and "memory" in (base / "cgroup.subtree_control").read_text().split():
+            return 2, base
+    raise PermissionError("no memory cgroup controller available to this process")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int) -> Iterator[dict[str, Any]]:
+    """A fresh memory cgroup limited to `limit_bytes` (swap included where the kernel counts
+    it), as a child of this process's own cgroup. Yields {"version", "path", "procs"}: write a
+    pid to `procs` (see `_join`) to move a process in. On exit, after its processes are gone,
+    reads the peak usage into the dict ("peak_bytes", page cache included) and removes it.
+    Raises PermissionError if cgroups are not writable here."""
+    version, parent = _own_memory_cgroup()
+    path = parent / f"colibri-bench-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise PermissionError(f"cannot create cgroup {path}: {exc}") from None
+    info: dict[str, Any] = {
+        "version": version,
+        "path": str(path),
+        "procs": str(path / "cgroup.procs"),
+    }
+    try:
+        if version == 2:
+            (path / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+        else:
+            (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):
+                (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        yield info
+    finally:
+        peak = path / ("memory.peak" if version == 2 else "memory.max_usage_in_bytes")
+        with contextlib.suppress(OSError, ValueError):
+            info["peak_bytes"] = int(peak.read_text())
+        for _ in range(50):  # the last exiting task may linger a moment
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _join(procs: str):
+    """preexec_fn moving the child into a cgroup before it execs (so all its memory counts)."""
+
+    def join() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    return join
+
+
+# ---- llama-completion -------------------------------------------------------------------
+
+_PERF = re.compile(
+    r"(prompt eval|eval) time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)"
+    r".*?([\d.]+) tokens per second"
+)
+_RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
+
+
+def run_completion(
+    gguf: str | os.PathLike[str],
+    prompt: str,
+    n: int,
+    threads: int,
+    memory_limit: int | None = None,
+    drop_cache: bool = True,
+    extra: list[str] | None = None,
+    timeout: float = 3600,
+) -> dict[str, Any]:
+    """Generate `n` tokens greedily after `prompt` with `llama-completion -no-cnv` (llama.cpp's
+    default mmap loading), under `/usr/bin/time -v`, optionally inside a memory cgroup of
+    `memory_limit` bytes.
+
+    Returns {"wall_s", "wall_tok_s" (n / wall time, loading included), "decode_tok_s" and
+    "prompt_tok_s" (llama.cpp's own eval timings), "n_prompt", "n_gen", "peak_rss_bytes"
+    (max RSS, file-backed mapped pages included), "cgroup_peak_bytes" (with a limit: peak of
+    the cgroup, page cache included), "cmd", "returncode"}; a run killed by the limit has a
+    non-zero returncode and None timings. Raises FileNotFoundError (no build),
+    PermissionError (memory_limit given but cgroups are not writable)."""
+    if drop_cache:
+        drop_file_cache(gguf)
+    cmd = ["/usr/bin/time", "-v", _exe("llama-completion"), "-m", str(gguf), "-p", prompt,
+           "-n", str(n), "-t", str(threads), "-no-cnv", "--temp", "0", "--ignore-eos",
+           "-c", "4096", *(extra or [])]  # fmt: skip
+    ctx = memory_cgroup(memory_limit) if memory_limit else contextlib.nullcontext(None)
+    with ctx as cg:
+        t0 = time.perf_counter()
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
+            preexec_fn=_join(cg["procs"]) if cg else None, check=False,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+    perf = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in _PERF.findall(res.stderr)}
+    rss = _RSS.search(res.stderr)
+    ok = res.returncode == 0 and "eval" in perf
+    return {
+        "wall_s": wall,
+        "wall_tok_s": n / wall if ok else None,
+        "decode_tok_s": perf["eval"][2] if ok else None,
+        "prompt_tok_s": perf["prompt eval"][2] if ok and "prompt eval" in perf else None,
+        "n_prompt": perf["prompt eval"][1] if "prompt eval" in perf else None,
+        "n_gen": perf["eval"][1] + 1 if "eval" in perf else None,  # +1: sampled after prefill
+        "peak_rss_bytes": int(rss[1]) * 1024 if rss else None,
+        "cgroup_peak_bytes": cg.get("peak_bytes") if cg else None,
+        "memory_limit": memory_limit,
+        "returncode": res.returncode,
+        "cmd": cmd,
+        "stderr_tail": res.stderr[-1500:] if not ok else "",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-prompt", type=int, default=128)
+    ap.add_argument("--n-gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--completion", type=int, metavar="N", help="llama-completion of N tokens")
+    ap.add_argument("--prompt", default="The history of the hummingbird begins")
+    ap.add_argument("--memory-limit", help="e.g. 2G (completion only; needs writable cgroups)")
+    args = ap.parse_args(argv)
+    if args.completion:
+        limit = None
+        if args.memory_limit:
+            from colibri.run import parse_size
+
+            limit = parse_size(args.memory_limit)
+        out = run_completion(args.gguf, args.prompt, args.completion, args.threads, limit)
+    else:
+        out = run_llama_bench(args.gguf, args.threads, args.n_prompt, args.n_gen, args.reps)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
