@@ -171,7 +171,14 @@ class Engine:
                 f"prompt too long: {seq.length + len(tokens)} tokens exceed the context "
                 f"length {seq.kv.n_ctx} (set n_ctx / --ctx)"
             )
-        logits = await self.pipeline.forward(np.asarray(tokens, dtype=np.int64), seq.kv)
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
+            raise ColibriError(
+                f"token id {bad} is outside the model's vocabulary (vocab_size "
+                f"{self.spec.vocab_size})"
+            )
+        logits = await self.pipeline.forward(ids, seq.kv)
         seq.tokens.extend(tokens)
         return logits
 
