@@ -171,15 +171,31 @@ def apply_top_k(logits: np.ndarray, top_k: int) -> np.ndarray:
 
 def apply_top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
     """Nucleus filtering as HF: sort ascending, drop tokens while the cumulative probability is
-    <= 1 - top_p, always keep the most likely token. top_p 1 is a no-op."""
+    <= 1 - top_p, always keep the most likely token. top_p 1 is a no-op.
+
+    Only the most likely tokens are sorted: the top 1024 (more if they hold less than top_p of
+    the mass), since every token below them is dropped anyway. The cumulative sum starts from
+    the mass of the unsorted tail, so the result is HF's up to float64 rounding.
+    """
     if top_p >= 1.0:
         return logits
-    order = np.argsort(logits, kind="stable")
-    cum = np.cumsum(np.exp(log_softmax(logits[order])))
+    probs = np.exp(log_softmax(logits))
+    n, m = logits.shape[0], 1024
+    while True:
+        if m >= n:
+            top = np.arange(n)
+            break
+        top = np.argpartition(probs, n - m)[n - m :]
+        if probs[top].sum() > top_p + 1e-9:
+            break
+        m *= 8
+    order = top[np.argsort(probs[top], kind="stable")]
+    cum = max(1.0 - probs[order].sum(), 0.0) + np.cumsum(probs[order])
     remove = cum <= 1.0 - top_p
     remove[-1] = False
-    out = logits.copy()
-    out[order[remove]] = -np.inf
+    out = np.full_like(logits, -np.inf)
+    keep = order[~remove]
+    out[keep] = logits[keep]
     return out
 
 
@@ -203,7 +219,20 @@ class Sampler:
         self, logits: np.ndarray, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
     ) -> np.ndarray:
         """float64[vocab] processed logits (every processor, in order; greedy skips temperature
-        and the warpers)."""
+        and the warpers); filtered tokens are -inf."""
+        ids, x = self._process(logits, prompt_ids, output_ids)
+        if ids is None:
+            return x
+        out = np.full(np.shape(logits)[0], -np.inf)
+        out[ids] = x
+        return out
+
+    def _process(
+        self, logits: np.ndarray, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        # -> (ids, their processed logits), ids None meaning the whole vocabulary. After top-k
+        # only the k survivors are carried: the other tokens have probability 0 in every later
+        # step, so top-p, min-p and the softmax over the survivors are unchanged.
         p = self.params
         x = np.asarray(logits)
         if x.ndim != 1 or x.shape[0] == 0:
@@ -219,9 +248,13 @@ class Sampler:
         if not np.isfinite(np.max(x)):
             raise SamplingError("logits have no finite maximum (all -inf, +inf or NaN)")
         if p.greedy:
-            return x
+            return None, x
         x = x / p.temperature
-        return apply_min_p(apply_top_p(apply_top_k(x, p.top_k), p.top_p), p.min_p)
+        ids = None
+        if 0 < p.top_k < x.shape[0]:
+            ids = np.flatnonzero(apply_top_k(x, p.top_k) > -np.inf)  # ascending ids
+            x = x[ids]
+        return ids, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
 
     def sample(
         self, logits: np.ndarray, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
@@ -238,18 +271,24 @@ class Sampler:
 
         Raises SamplingError if logits are not 1-D or have no finite maximum.
         """
-        x = self.process(logits, prompt_ids, output_ids)
+        ids, x = self._process(logits, prompt_ids, output_ids)
         logp = log_softmax(x)
         if self.params.greedy:
-            token = int(np.argmax(x))
+            pick = int(np.argmax(x))
         else:
             cdf = np.cumsum(np.exp(logp))
-            u = self.rng.random() * cdf[-1]
-            token = int(np.searchsorted(cdf, u, side="right"))
-            if token >= x.shape[0] or not np.isfinite(logp[token]):  # u rounded up to cdf[-1]
-                token = int(np.flatnonzero(np.isfinite(logp))[-1])
+            pick = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+            if pick >= x.shape[0] or not np.isfinite(logp[pick]):  # u rounded up to cdf[-1]
+                pick = int(np.flatnonzero(np.isfinite(logp))[-1])
         top: tuple[tuple[int, float], ...] = ()
-        if n := self.params.logprobs:
-            idx = np.argsort(-logp, kind="stable")[:n]
-            top = tuple((int(i), float(logp[i])) for i in idx if np.isfinite(logp[i]))
-        return Sample(token, float(logp[token]), top)
+        if n := min(self.params.logprobs, logp.shape[0]):
+            kth = np.partition(logp, -n)[-n]
+            cand = np.flatnonzero(logp >= kth)  # ties at the n-th value all included
+            best = cand[np.lexsort((cand, -logp[cand]))][:n]  # by logprob, then lowest id
+            top = tuple(
+                (int(i if ids is None else ids[i]), float(logp[i]))
+                for i in best
+                if np.isfinite(logp[i])
+            )
+        token = pick if ids is None else int(ids[pick])
+        return Sample(token, float(logp[pick]), top)
