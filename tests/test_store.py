@@ -205,3 +205,36 @@ def test_writer_refuses_existing_and_cleans_up(tmp_path):
         w.write_dense("b", np.zeros(2, np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
     shutil.rmtree(path)
+
+
+def test_synthetic_store_is_valid_and_small_valued(tmp_path):
+    """tools/synth_store.py: a 1-layer OLMoE-shaped store (8 of 64 experts) opens, verifies,
+    has the real shapes, and its random blocks decode to finite weights within the bound."""
+    gguf = pytest.importorskip("gguf")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from synth_store import synth_store
+
+    out = synth_store("olmoe-1b-7b", tmp_path / "s", layers=1, scale=0.125, show_progress=False)
+    s = open_store(out)
+    s.verify_all()
+    assert s.model_type == "olmoe" and s.num_experts == 8 and s.moe_layers == [0]
+    assert (s.layout.d_model, s.layout.d_ff) == (2048, 1024)
+    assert s.dense("model.embed_tokens.weight")[2] == (50304, 2048)
+    rec = s.record(0, 5)
+    with open(s.experts_path, "rb") as f:
+        f.seek(rec.offset)
+        raw = f.read(rec.nbytes)
+    t = s.layout.tensors["down"]
+    w = gguf.quants.dequantize(
+        np.frombuffer(raw[t.offset : t.offset + t.nbytes], np.uint8).reshape(t.shape[0], -1),
+        gguf.GGMLQuantizationType.Q4_0,
+    )
+    assert w.shape == t.shape and np.isfinite(w).all()
+    dmax = float(np.float16(3e-3))  # largest scale the generator draws, in f16
+    assert 0.001 < np.abs(w).max() <= 8 * dmax
+    q8, qtype, _ = s.dense("model.layers.0.self_attn.q_proj.weight")
+    wq = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+    assert qtype == "q8_0" and np.isfinite(wq).all() and np.abs(wq).max() <= 128 * dmax
