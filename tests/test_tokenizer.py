@@ -108,6 +108,19 @@ def test_generation_config_eos_list(tmp_path, tokenizer_dirs):
     assert Tokenizer.from_dir(d).eos_token_ids == {4, tok.token_to_id("</s>")}
 
 
+def test_legacy_special_tokens_map(tmp_path, tokenizer_dirs):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / "tok"
+    shutil.copytree(tokenizer_dirs["mixtral_v3"], d)
+    (d / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": {"content": "[/INST]", "lstrip": False}, "pad_token": "[INST]"})
+    )
+    ours, hf = Tokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(d)
+    assert ours.special_tokens == hf.special_tokens_map
+    assert ours.eos_token_ids == {hf.eos_token_id} == {ours.token_to_id("[/INST]")}
+    assert ours.pad_token_id == hf.pad_token_id
+
+
 # --- llama.cpp reference vectors ----------------------------------------------------------------
 
 
@@ -215,8 +228,8 @@ def test_llamacpp_vectors_llama_spm(tmp_path):
 # --- streaming detokenization -------------------------------------------------------------------
 
 
-def _stream(tok: Tokenizer, ids, context=()) -> list[str]:
-    dec = tok.stream_decoder(context, skip_special_tokens=False)
+def _stream(tok: Tokenizer, ids, context=(), skip_special_tokens=False) -> list[str]:
+    dec = tok.stream_decoder(context, skip_special_tokens=skip_special_tokens)
     deltas = [dec.push(i) for i in ids]
     return [*deltas, dec.flush()]
 
@@ -229,6 +242,9 @@ def test_stream_reproduces_decode(name, corpus, our_tokenizers):
         deltas = _stream(tok, ids)
         assert "".join(deltas) == tok.decode(ids), repr(text[:80])
         assert not any("\ufffd" in d for d in deltas)  # never a broken UTF-8 sequence
+    ids = tok.encode(SPECIAL_TEXT[name])
+    deltas = _stream(tok, ids, skip_special_tokens=True)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("name", NAMES)
