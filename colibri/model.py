@@ -47,6 +47,9 @@ class KVCache:
 
     k[layer]: [n_ctx, n_kv_heads, head_dim], v[layer]: [n_ctx, n_kv_heads, v_head_dim],
     f32 or f16; `length` tokens are filled. Memory: layers * n_ctx * n_kv * (dk + dv) * itemsize.
+    Multi-head latent attention layers keep the compressed form instead: k[layer] is
+    v[layer] (one array), [n_ctx, 1, kv_lora_rank + qk_rope_head_dim] holding the normed latent
+    then the rotated rope key; memory layers * n_ctx * (kv_lora_rank + rope) * itemsize.
     """
 
     k: list[np.ndarray]
@@ -59,13 +62,19 @@ class KVCache:
         k, v = [], []
         for layer in spec.layers:
             a = layer.attention
+            if a.mla is not None:
+                latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
+                k.append(latent)
+                v.append(latent)
+                continue
             k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
             v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
         return cls(k, v, n_ctx)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        arrays = {id(a): a for a in (*self.k, *self.v)}  # MLA layers share one array
+        return sum(a.nbytes for a in arrays.values())
 
 
 class Model:
@@ -109,16 +118,46 @@ class Model:
         bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
         return Linear(w, qtype, rows, cols, bias)
 
+    def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
+        """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] is kept absorbed, f32:
+        w_uk [n_heads, nope, rank] (maps a query's nope part into the latent space) and
+        w_uv_t [n_heads, rank, v] (maps an attention output over latents to values)."""
+        a, d, n = spec.attention, self.spec.d_model, spec.names
+        m, H = a.mla, a.n_heads
+        r, nope = m.kv_lora_rank, m.qk_nope_head_dim
+        w: dict[str, object] = {}
+        if m.q_lora_rank is None:
+            w["q"] = self._linear(n["q"], H * a.head_dim, d)
+        else:
+            w["q_a"] = self._linear(n["q_a"], m.q_lora_rank, d)
+            w["q_a_norm"] = self._vector(f"{n['q_a_norm']}.weight", m.q_lora_rank)
+            w["q_b"] = self._linear(n["q_b"], H * a.head_dim, m.q_lora_rank)
+        w["kv_a"] = self._linear(n["kv_a"], r + a.rot_dim, d)
+        w["kv_a_norm"] = self._vector(f"{n['kv_a_norm']}.weight", r)
+        kv_b = self._linear(n["kv_b"], H * (nope + a.v_head_dim), r)
+        if kv_b.bias is not None:
+            raise StoreError(f"{self.store.path}: {n['kv_b']}.bias is not expected (MLA)")
+        full = ops.dequantize(kv_b.w, kv_b.qtype, (kv_b.rows, r)).reshape(H, -1, r)
+        w["w_uk"] = np.ascontiguousarray(full[:, :nope, :])
+        w["w_uv_t"] = np.ascontiguousarray(full[:, nope:, :].transpose(0, 2, 1))
+        w["o"] = self._linear(n["o"], d, H * a.v_head_dim)
+        return w
+
     def _load_layer(self, spec: LayerSpec) -> dict[str, object]:
         a, d, n = spec.attention, self.spec.d_model, spec.names
         w: dict[str, object] = {
             "input_norm": self._vector(f"{n['input_norm']}.weight", d),
             "post_norm": self._vector(f"{n['post_norm']}.weight", d),
-            "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
-            "k": self._linear(n["k"], a.n_kv_heads * a.head_dim, d),
-            "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
-            "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
         }
+        if a.mla is not None:
+            w |= self._load_mla(spec)
+        else:
+            w |= {
+                "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
+                "k": self._linear(n["k"], a.n_kv_heads * a.head_dim, d),
+                "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
+                "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
+            }
         if a.qk_norm == "head":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
             w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
@@ -168,10 +207,20 @@ class Model:
     def attention(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
         """x += attention(input_norm(x)) for layer i; writes the layer's keys/values at
         positions pos0 .. pos0 + n - 1 of kv. x: f32 [n, d_model], updated in place."""
-        spec, w = self.spec.layers[i], self.layers[i]
-        a, n = spec.attention, x.shape[0]
+        w, n = self.layers[i], x.shape[0]
         h = np.empty_like(x)
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+        if self.spec.layers[i].attention.mla is not None:
+            out = self._attention_mla(i, h, kv, pos0)
+        else:
+            out = self._attention_gqa(i, h, kv, pos0)
+        x += w["o"](out.reshape(n, -1), nthreads=self.nthreads)
+
+    def _attention_gqa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """Grouped-query attention of layer i on its normed input h f32 [n, d_model]; writes
+        the keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, v_head_dim]."""
+        spec, w = self.spec.layers[i], self.layers[i]
+        a, n = spec.attention, h.shape[0]
         q = w["q"](h, nthreads=self.nthreads)
         k = w["k"](h, nthreads=self.nthreads)
         v = w["v"](h, nthreads=self.nthreads)
@@ -214,7 +263,53 @@ class Model:
             sinks=w.get("sinks"),
             nthreads=self.nthreads,
         )
-        x += w["o"](out.reshape(n, -1), nthreads=self.nthreads)
+        return out
+
+    def _attention_mla(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """Multi-head latent attention of layer i on its normed input h f32 [n, d_model].
+
+        Caches the compressed form (normed latent c [rank] and rotated rope key k_r [rope] per
+        position, KVCache) and attends in the latent space with kv_b_proj absorbed (DeepSeek-V2
+        paper, section 2.1.2): for head h, q_nope . (W_UK_h c) = (W_UK_h^T q_nope) . c, so the
+        query becomes [W_UK_h^T q_nope | q_rope], every head attends to the one shared entry
+        [c | k_r] (MQA), and the value W_UV_h (sum p c) is applied after the softmax. Per
+        cached token that costs n_heads * (2 rank + rope) multiply-adds instead of expanding it
+        through kv_b_proj on every step. Same math as transformers' expand-then-attend, summed
+        in another order. Returns f32 [n, n_heads, v_head_dim].
+        """
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        m, n, H = a.mla, h.shape[0], a.n_heads
+        eps = m.norm_eps
+        r, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, a.rot_dim
+        if "q" in w:
+            q = w["q"](h, nthreads=self.nthreads)
+        else:
+            qa = w["q_a"](h, nthreads=self.nthreads)
+            ops.rmsnorm(qa, qa, w["q_a_norm"], eps)
+            q = w["q_b"](qa, nthreads=self.nthreads)
+        q = q.reshape(n, H, nope + rope)
+        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
+        latent = np.ascontiguousarray(ckv[:, :r])
+        ops.rmsnorm(latent, latent, w["kv_a_norm"], eps)
+        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
+        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        for t in (q_rope, k_rope):
+            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
+        cache[pos0 : pos0 + n, 0, :r] = latent
+        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        q_abs = np.empty((n, H, r + rope), dtype=np.float32)
+        q_abs[:, :, :r] = np.matmul(q[:, :, :nope].transpose(1, 0, 2), w["w_uk"]).transpose(1, 0, 2)
+        q_abs[:, :, r:] = q_rope
+        # values are the cache entries themselves: the rope part of the output is ignored
+        out = np.empty((n, H, r + rope), dtype=np.float32)
+        ops.attention(
+            out, q_abs, cache, cache, n_kv=pos0 + n, q_pos0=pos0, scale=a.scale,
+            nthreads=self.nthreads,
+        )  # fmt: skip
+        v = np.matmul(out[:, :, :r].transpose(1, 0, 2), w["w_uv_t"])  # [H, n, v_head_dim]
+        return np.ascontiguousarray(v.transpose(1, 0, 2))
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
         """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""

@@ -8,7 +8,16 @@ from typing import Any
 from colibri.errors import StoreError
 from colibri.models.spec import ModelSpec
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+)
 
 
 def model_spec(config: dict[str, Any]) -> ModelSpec:

@@ -68,8 +68,11 @@ def route(
         keep, _ = ops.topk(np.ascontiguousarray(gscore, dtype=np.float32), spec.topk_group)
         mask = np.zeros((n, spec.n_group), dtype=bool)
         np.put_along_axis(mask, keep.astype(np.int64), True, axis=1)
-        # the references mask dropped groups with 0.0 (not -inf), so we do too
-        choice = np.where(np.repeat(mask, e // spec.n_group, axis=1), choice, np.float32(0.0))
+        # dropped groups are masked as the references do: DeepseekV2TopkRouter fills 0.0 (its
+        # softmax scores are > 0); DeepseekV3TopkRouter / Glm4MoeTopkRouter fill -inf (a negative
+        # correction bias can push kept scores below 0, so 0.0 would pick a dropped expert)
+        fill = np.float32(0.0 if spec.scoring == "softmax" else -np.inf)
+        choice = np.where(np.repeat(mask, e // spec.n_group, axis=1), choice, fill)
     ids, _ = ops.topk(np.ascontiguousarray(choice, dtype=np.float32), k)
     weights = np.take_along_axis(scores, ids.astype(np.int64), axis=1)
     if spec.norm_topk_prob:

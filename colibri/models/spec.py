@@ -6,6 +6,7 @@ Tensor names are the checkpoint's own (Hugging Face original format, docs/FORMAT
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,6 +14,25 @@ import numpy as np
 
 from colibri.compute.moe import RouterSpec
 from colibri.compute.rope import inv_freq, rope_parameters
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434), config names.
+
+    Queries: q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when q_lora_rank is set; each
+    head is [qk_nope_head_dim | qk_rope_head_dim]. Keys and values come from one latent:
+    kv_a_proj_with_mqa gives [kv_lora_rank | qk_rope_head_dim]; the first part goes through
+    kv_a_layernorm and kv_b_proj expands it to [qk_nope_head_dim | v_head_dim] per head; the
+    second is one rope key shared by all heads. The KV cache holds the latent and the rope key
+    only (model.KVCache); kv_b_proj is absorbed into the query and the output (model.py).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    norm_eps: float = 1e-6  # q_a/kv_a_layernorm: DeepseekV2RMSNorm's default, not rms_norm_eps
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class AttentionSpec:
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm per head, or over the projection
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     sinks: bool = False  # gpt-oss attention sinks (`self_attn.sinks`)
+    mla: MLASpec | None = None  # multi-head latent attention (head_dim = nope + rope dims)
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,7 @@ class LayerSpec:
     moe: bool  # routed experts (else a dense MLP)
     # role -> tensor name (without ".weight"); a role absent here is absent in the model.
     # roles: input_norm q k v o q_norm k_norm post_norm router correction_bias
+    #        (MLA: q or q_a q_a_norm q_b, kv_a kv_a_norm kv_b, o)
     #        shared_gate_proj shared_up_proj shared_down_proj shared_expert_gate
     #        mlp_gate_proj mlp_up_proj mlp_down_proj sinks
     names: dict[str, str] = field(default_factory=dict)
@@ -114,6 +136,60 @@ def standard_attention(
         clip_qkv=get(config, "clip_qkv"),
         sinks=sinks,
     )
+
+
+def mla_attention(
+    config: dict[str, Any], rope_mode: Literal["neox", "interleaved"] = "interleaved"
+) -> AttentionSpec:
+    """Multi-head latent attention as DeepseekV2Attention / DeepseekV3Attention build it.
+
+    RoPE covers the qk_rope_head_dim part only. With YaRN and `mscale_all_dim`, the softmax
+    scale qk_head_dim**-0.5 is multiplied by yarn_get_mscale(factor, mscale_all_dim)**2
+    (transformers' yarn_apply_mscale; the cos/sin scale is the YaRN attention factor).
+    """
+    n_heads = require(config, "num_attention_heads")
+    nope, rope = require(config, "qk_nope_head_dim"), require(config, "qk_rope_head_dim")
+    params = rope_parameters(config)
+    freq, mscale = inv_freq(params, rope, get(config, "max_position_embeddings", default=4096))
+    scale = (nope + rope) ** -0.5
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        m = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return AttentionSpec(
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        head_dim=nope + rope,
+        v_head_dim=require(config, "v_head_dim"),
+        rot_dim=rope,
+        rope_mode=rope_mode,
+        inv_freq=freq,
+        mscale=mscale,
+        scale=scale,
+        mla=MLASpec(
+            q_lora_rank=get(config, "q_lora_rank"),
+            kv_lora_rank=require(config, "kv_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+        ),
+    )
+
+
+def mla_names(prefix: str, q_lora: bool) -> dict[str, str]:
+    """Tensor names of a DeepSeek MLA layer's attention and norms under `prefix`."""
+    a = f"{prefix}.self_attn"
+    names = {
+        "input_norm": f"{prefix}.input_layernorm",
+        "post_norm": f"{prefix}.post_attention_layernorm",
+        "kv_a": f"{a}.kv_a_proj_with_mqa",
+        "kv_a_norm": f"{a}.kv_a_layernorm",
+        "kv_b": f"{a}.kv_b_proj",
+        "o": f"{a}.o_proj",
+    }
+    if q_lora:
+        q = {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj"}
+        return names | {role: f"{a}.{t}" for role, t in q.items()}
+    return names | {"q": f"{a}.q_proj"}
 
 
 def attention_names(prefix: str, *, qk_norm: bool = False) -> dict[str, str]:
