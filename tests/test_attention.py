@@ -45,8 +45,15 @@ def run(q, k, v, n_kv, q_pos0, scale, window=0, sinks=None, nthreads=0):
 # (n_q, n_kv, q_pos0): decode at 0 / mid cache, prefill from 0, chunked prefill
 POSITIONS = [(1, 1, 0), (1, 77, 76), (13, 13, 0), (9, 70, 61), (40, 100, 60)]
 # (n_heads, n_kv_heads, dk, dv): MHA, GQA, MQA, group > 8 heads (tiles split a group),
-# MLA (dk 192, dv 128), odd sizes
-HEADS = [(4, 4, 64, 64), (8, 2, 40, 24), (6, 1, 7, 5), (20, 2, 32, 32), (4, 4, 192, 128)]
+# MLA (dk 192, dv 128), odd sizes, head sizes > 256 (K/V rows read in place, not copied)
+HEADS = [
+    (4, 4, 64, 64),
+    (8, 2, 40, 24),
+    (6, 1, 7, 5),
+    (20, 2, 32, 32),
+    (4, 4, 192, 128),
+    (2, 1, 288, 264),
+]
 
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])

@@ -41,5 +41,8 @@ static inline vf vpow2i(vf n) {
 #define vswap_pairs(v) _mm512_permute_ps(v, 0xB1)
 #define vhsum _mm512_reduce_add_ps
 #define vhmax _mm512_reduce_max_ps
+static inline void vhsum8(float *out, const vf *v) {
+    for (int u = 0; u < 8; u++) out[u] = _mm512_reduce_add_ps(v[u]);
+}
 
 #include "ops_simd.inc"
