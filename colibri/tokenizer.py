@@ -123,9 +123,10 @@ class Tokenizer:
         """Load the tokenizer files of a store or checkpoint directory (see the module docstring).
 
         Raises:
-            TokenizerError: tokenizer.json is missing (a SentencePiece tokenizer.model alone must be
-                converted first, e.g. by `colibri convert`), or a file is not valid JSON / not a
-                `tokenizers` file, or a special token is not in the vocabulary. Names the file.
+            TokenizerError: tokenizer.json is missing (a SentencePiece tokenizer.model alone must
+                first be converted to tokenizer.json, e.g. with transformers' converter), or a
+                file is not valid JSON / not a `tokenizers` file, or a special-token or
+                chat_template entry is malformed. Names the file.
         """
         root = Path(path)
         if not root.is_dir():
