@@ -111,14 +111,15 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     return model_type, cfg
 
 
-def gguf_tokenizer_files(reader: Any, path: Path) -> list[tuple[str, bytes]]:
-    """[(file name, contents)]: tokenizer.json rebuilt from the GGUF vocabulary when it is a
-    byte-level BPE with a known pre-tokenizer (see _PRE_REGEX), and chat_template.jinja."""
+def gguf_tokenizer_files(meta: dict[str, Any], path: Path) -> list[tuple[str, bytes]]:
+    """[(file name, contents)] from GGUF metadata `meta` (key -> value): tokenizer.json
+    rebuilt from the vocabulary when it is a byte-level BPE with a known pre-tokenizer (see
+    _PRE_REGEX), and chat_template.jinja from tokenizer.chat_template."""
     files = []
-    template = _field(reader, "tokenizer.chat_template")
+    template = meta.get("tokenizer.chat_template")
     if template:
         files.append(("chat_template.jinja", template.encode()))
-    model, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if model != "gpt2" or pre not in _PRE_REGEX:
         print(
             f"note: {path}: no tokenizer.json made (tokenizer.ggml.model {model!r}, pre {pre!r};"
@@ -129,9 +130,8 @@ def gguf_tokenizer_files(reader: Any, path: Path) -> list[tuple[str, bytes]]:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers as pt
 
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pt.Sequence(
@@ -235,7 +235,8 @@ def convert_gguf(
                 bar.update(sum(int(p[r].n_bytes) for r in p))
         if bar is not None:
             bar.close()
-        for name, data in gguf_tokenizer_files(reader, src):
+        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        for name, data in gguf_tokenizer_files(meta, src):
             w.add_file(name, data)
         return w.finish(model_type, cfg, {"kind": "gguf", "name": src.name})
 
