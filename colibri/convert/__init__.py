@@ -131,6 +131,13 @@ def convert(
     if src.is_file():
         from colibri.convert.gguf import convert_gguf
 
+        with open(src, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ConversionError(
+                    f"{src}: not a GGUF file; SRC is a Hugging Face checkpoint directory "
+                    "(config.json + safetensors) or a .gguf file"
+                )
+
         return convert_gguf(src, Path(out), quant, dense_quant, force, show_progress)
     from colibri.convert.hf import convert_hf
 

@@ -209,6 +209,8 @@ def convert_gguf(
     if len(types) != 1:
         raise ConversionError(f"{src}: expert tensors mix types {sorted(types)}; not supported yet")
     qtype = types.pop()
+    if quant != qtype:
+        print(f"note: experts keep the GGUF's {qtype} (--quant {quant} ignored)", file=sys.stderr)
     layout = ExpertLayout.build(qtype, H, I)
     dense.sort(key=lambda x: (int(x[0].split(".")[2]) if ".layers." in x[0] else -1, x[0]))
     plan = []
