@@ -127,9 +127,53 @@ def mixtral_dir(tmp_path_factory) -> Path:
     return path
 
 
-def _store(tmp_path_factory, mixtral_dir: Path, quant: str, dense_quant: str) -> Path:
-    out = tmp_path_factory.mktemp("store") / f"mixtral-{quant}-{dense_quant}"
-    _convert()(mixtral_dir, out, quant=quant, dense_quant=dense_quant, show_progress=False)
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny random HF Qwen3-MoE (head_dim 32 != hidden / heads) with a byte-level BPE
+    tokenizer trained here on real text, pre-tokenized with the Qwen2 regex."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from colibri.export_gguf import _QWEN2_RE
+    from tests.hf_models import COMMON, CONFIGS
+
+    text = SHARED / "text/olmoe_routing_c4_texts.txt.xz"
+    if not text.is_file():
+        pytest.skip(f"{text} absent")
+    lines = lzma.decompress(text.read_bytes()).decode("utf-8").splitlines()[:400]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=380, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(lines, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**{**COMMON, **CONFIGS["qwen3_moe"][1], "vocab_size": 384})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    path = tmp_path_factory.mktemp("hf") / "tiny-qwen3moe"
+    model.save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def _store(tmp_path_factory, model_dir: Path, quant: str, dense_quant: str) -> Path:
+    out = tmp_path_factory.mktemp("store") / f"{model_dir.name}-{quant}-{dense_quant}"
+    _convert()(model_dir, out, quant=quant, dense_quant=dense_quant, show_progress=False)
     return out
 
 
@@ -298,6 +342,56 @@ def test_gguf_metadata_is_llama_with_experts(q4_store, q4_reader):
     assert types[1000] == gguf.TokenType.NORMAL
 
 
+def test_qwen3moe_gguf_bytes_and_metadata(qwen3_dir, tmp_path_factory, tmp_path):
+    """Qwen3-MoE: arch qwen3moe, q/k rows NOT permuted (NeoX RoPE), q/k norms, expert
+    feed-forward length and head_dim keys, byte-level "gpt2" vocabulary with merges."""
+    store = open_store(_store(tmp_path_factory, qwen3_dir, "q8_0", "q8_0"))
+    cfg = store.config
+    reader = GGUFReader(export_gguf(store.path, tmp_path / "q.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn"
+        for hf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("q_norm", "attn_q_norm")):
+            w = store.dense(f"{p}.{hf}.weight")[0]
+            got = np.asarray(tensors[f"blk.{layer}.{name}.weight"].data).reshape(w.shape)
+            np.testing.assert_array_equal(got, w)
+        rec = store.record(layer, 5)
+        with open(store.experts_path, "rb") as f:
+            raw = os.pread(f.fileno(), rec.nbytes, rec.offset)
+        spec = store.layout.tensors["down"]
+        t = tensors[f"blk.{layer}.ffn_down_exps.weight"]
+        got = np.asarray(t.data).reshape(store.num_experts, -1)[5].tobytes()
+        assert got == raw[spec.offset : spec.offset + spec.nbytes]
+    want = {
+        "general.architecture": "qwen3moe",
+        "qwen3moe.expert_count": store.num_experts,
+        "qwen3moe.expert_used_count": cfg["num_experts_per_tok"],
+        "qwen3moe.expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "qwen3moe.attention.key_length": cfg["head_dim"],
+        "qwen3moe.attention.value_length": cfg["head_dim"],
+        "qwen3moe.rope.dimension_count": cfg["head_dim"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+    }
+    assert {k: _field(reader, k) for k in want} == want
+    tj = json.loads((store.path / "tokenizer.json").read_text())
+    assert _field(reader, "tokenizer.ggml.merges") == [" ".join(m) for m in tj["model"]["merges"]]
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == tj["model"]["vocab"]["<|im_end|>"]
+
+
+def test_qwen3moe_without_topk_renormalisation_is_refused(qwen3_dir, tmp_path_factory, tmp_path):
+    import shutil
+
+    src = _store(tmp_path_factory, qwen3_dir, "q8_0", "q8_0")
+    other = tmp_path / "s"
+    shutil.copytree(src, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["config"]["norm_topk_prob"] = False
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConversionError, match="norm_topk_prob"):
+        export_gguf(other, tmp_path / "o.gguf")
+
+
 # ---- vocabularies against independent sources --------------------------------------------
 
 
@@ -418,7 +512,7 @@ def _reference_logits(model_dir: Path, ids: list[int], quant: str, dense_quant: 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim < 2 or name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+            if p.ndim < 2 or name.endswith(("norm.weight", "mlp.gate.weight")):
                 continue
             qtype = quant if ".experts." in name else dense_quant
             if qtype == "f32":
@@ -430,24 +524,31 @@ def _reference_logits(model_dir: Path, ids: list[int], quant: str, dense_quant: 
 
 
 @pytest.mark.parametrize(
-    ("quant", "dense_quant", "rtol"),
-    [("f32", "f32", 1e-3), ("q8_0", "q8_0", 3e-2), ("q4_0", "q8_0", 6e-2)],
+    ("family", "quant", "dense_quant", "rtol"),
+    [
+        ("mixtral", "f32", "f32", 1e-3),
+        ("mixtral", "q8_0", "q8_0", 3e-2),
+        ("mixtral", "q4_0", "q8_0", 6e-2),
+        ("qwen3moe", "f32", "f32", 1e-3),
+        ("qwen3moe", "q8_0", "q8_0", 3e-2),
+    ],
 )
 def test_llama_cpp_logits_match_transformers(
-    mixtral_dir, tmp_path_factory, tmp_path, quant, dense_quant, rtol
+    request, tmp_path_factory, tmp_path, family, quant, dense_quant, rtol
 ):
     """llama.cpp on the exported GGUF and transformers on the same (dequantized) weights
     agree on the prompt's tokens and the last token's logits: max |diff| <= rtol * max |ref|.
     Quantized llama.cpp matmuls also round activations to q8_0, hence the looser bounds."""
     _llama_bin()
     transformers = pytest.importorskip("transformers")
-    store = _store(tmp_path_factory, mixtral_dir, quant, dense_quant)
-    path = export_gguf(store, tmp_path / f"tiny-{quant}.gguf")
+    model_dir = request.getfixturevalue(f"{'mixtral' if family == 'mixtral' else 'qwen3'}_dir")
+    store = _store(tmp_path_factory, model_dir, quant, dense_quant)
+    path = export_gguf(store, tmp_path / f"tiny-{family}-{quant}.gguf")
     ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
-    tok = transformers.AutoTokenizer.from_pretrained(mixtral_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert ids == tok(PROMPT).input_ids
-    ref = _reference_logits(mixtral_dir, ids, quant, dense_quant)
+    ref = _reference_logits(model_dir, ids, quant, dense_quant)
     err = float(np.abs(got - ref).max()) / float(np.abs(ref).max())
     assert err <= rtol, f"max |llama.cpp - transformers| / max |ref| = {err:.2e}"
     assert int(np.argmax(got)) == int(np.argmax(ref)) or err < rtol / 10
-    print(f"{quant}/{dense_quant}: max rel err {err:.2e}")  # shown with pytest -s
+    print(f"{family} {quant}/{dense_quant}: max rel err {err:.2e}")  # shown with pytest -s
