@@ -12,6 +12,8 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)
 command -v fio >/dev/null 2>&1 || need+=(fio)
+# SIMDe headers let the tests run the AVX-512 kernels emulated on CPUs without AVX-512
+[ "$want" != test ] || [ -d /usr/include/simde ] || need+=(libsimde-dev)
 "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 "$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' || need+=(python3-dev)
 if [ ${#need[@]} -gt 0 ]; then

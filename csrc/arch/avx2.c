@@ -16,6 +16,7 @@
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define h2f(h) _cvtsh_ss(h)
 #define vadd(a, b) _mm256_add_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
 
 static inline float vhsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -24,20 +25,44 @@ static inline float vhsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Q4 nibbles -> int32 v[0..3] = elements 0-7, 8-15, 16-23, 24-31. qs[j] holds element j (low
+ * nibble) and j + 16 (high); one vpshufb spreads 8 bytes to dword lanes, for both nibbles. */
+static inline __attribute__((always_inline)) void q4_ints(const uint8_t *qs, __m256i v[4]) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));
+    const __m256i m4 = _mm256_set1_epi32(15);
+    const __m256i lo = _mm256_shuffle_epi8(b, s0), hi = _mm256_shuffle_epi8(b, s1);
+    v[0] = _mm256_and_si256(lo, m4);
+    v[1] = _mm256_and_si256(hi, m4);
+    v[2] = _mm256_srli_epi32(lo, 4);
+    v[3] = _mm256_srli_epi32(hi, 4);
+}
+
+/* Q4_0: q - 8, Q8_0: q, as floats (exact small integers). */
+static inline __attribute__((always_inline)) void dec_raw(int fmt, const uint8_t *blk, __m256 w[4]) {
+    if (fmt == CLB_QTYPE_Q4_0) {
+        __m256i v[4];
+        q4_ints(blk + 2, v);
+        for (int k = 0; k < 4; k++)
+            w[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(v[k], _mm256_set1_epi32(8)));
+    } else {
+        for (int k = 0; k < 4; k++)
+            w[k] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k))));
+    }
+}
+
 /* 32 weights of one block -> w[0..3] (elements 0-7, 8-15, 16-23, 24-31). */
 static inline __attribute__((always_inline)) void
 dec_block(int fmt, const uint8_t *blk, __m256 d, __m256 m, __m256 w[4]) {
     switch (fmt) {
     case CLB_QTYPE_Q4_0:
     case CLB_QTYPE_Q4_1: {
-        /* qs[j]: low nibble = element j, high nibble = element j + 16 */
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (fmt == CLB_QTYPE_Q4_0 ? 2 : 4)));
-        const __m128i m4 = _mm_set1_epi8(0x0f);
-        const __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+        __m256i v[4];
+        q4_ints(blk + (fmt == CLB_QTYPE_Q4_0 ? 2 : 4), v);
+        for (int k = 0; k < 4; k++) w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[k]), d, m);
         break;
     }
     case CLB_QTYPE_Q8_0:

@@ -17,7 +17,24 @@
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define h2f(h) _cvtsh_ss(h)
 #define vadd(a, b) _mm512_add_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
 #define vhsum(v) _mm512_reduce_add_ps(v)
+
+/* Q4_0: q - 8, Q8_0: q, as floats (exact small integers); w[0] elements 0-15, w[1] 16-31. */
+static inline __attribute__((always_inline)) void dec_raw(int fmt, const uint8_t *blk, __m512 w[2]) {
+    if (fmt == CLB_QTYPE_Q4_0) {
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(qs, m4), eight);
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), eight);
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    } else {
+        for (int k = 0; k < 2; k++)
+            w[k] = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * k))));
+    }
+}
 
 /* 32 weights of one block -> w[0] (elements 0-15), w[1] (16-31). */
 static inline __attribute__((always_inline)) void

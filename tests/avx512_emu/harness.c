@@ -1,0 +1,52 @@
+/* Compares clb_mm_rows_avx512 (built on emulation) with the scalar twin clb_mm_rows_ref. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "colibri.h"
+#include "quant.h"
+static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
+int main(void) {
+    const int qts[] = {CLB_QTYPE_F32, CLB_QTYPE_F16, CLB_QTYPE_Q4_0, CLB_QTYPE_Q4_1,
+                       CLB_QTYPE_Q8_0, CLB_QTYPE_BF16};
+    const int64_t rows_l[] = {1, 13, 40}, cols_l[] = {32, 96, 544, 37}, n_l[] = {1, 2, 3, 5, 8};
+    int bad = 0, cases = 0;
+    double worst = 0;
+    for (int q = 0; q < 6; q++)
+        for (int ri = 0; ri < 3; ri++)
+            for (int ci = 0; ci < 4; ci++)
+                for (int ni = 0; ni < 5; ni++) {
+                    int64_t rows = rows_l[ri], cols = cols_l[ci], n = n_l[ni];
+                    int64_t rb = clb_row_nbytes(qts[q], cols);
+                    if (rb < 0) continue;
+                    float *wf = malloc(rows * cols * 4), *wd = malloc(rows * cols * 4);
+                    float *x = malloc(n * cols * 4), *bias = malloc(rows * 4), *sc = malloc(n * 4);
+                    float *y0 = malloc(n * rows * 4), *y1 = malloc(n * rows * 4);
+                    uint8_t *w = malloc(rows * rb);
+                    for (int64_t i = 0; i < rows * cols; i++) wf[i] = rnd();
+                    for (int64_t i = 0; i < n * cols; i++) x[i] = rnd();
+                    for (int64_t i = 0; i < rows; i++) bias[i] = rnd();
+                    for (int64_t i = 0; i < n; i++) sc[i] = rnd();
+                    for (int64_t i = 0; i < n * rows; i++) y0[i] = y1[i] = rnd();
+                    clb_quantize(qts[q], w, wf, rows, cols);
+                    clb_dequantize(qts[q], wd, w, rows, cols);
+                    int acc = (int)(n & 1);
+                    const float *b = ri ? bias : NULL, *s = ni ? sc : NULL;
+                    clb_mm_rows_ref(qts[q], y0, rows, w, rb, x, cols, cols, n, 0, rows, b, s, acc);
+                    clb_mm_rows_avx512(qts[q], y1, rows, w, rb, x, cols, cols, n, 0, rows, b, s, acc);
+                    for (int64_t i = 0; i < n; i++)
+                        for (int64_t r = 0; r < rows; r++) {
+                            double mag = 1;
+                            for (int64_t c = 0; c < cols; c++) mag += fabs(x[i * cols + c] * wd[r * cols + c]);
+                            double e = fabs(y0[i * rows + r] - y1[i * rows + r]) / mag;
+                            if (e > worst) worst = e;
+                            if (!(e <= 2e-6)) {
+                                if (bad < 10) printf("qtype %d rows %ld cols %ld n %ld: row %ld x %ld: ref %g avx512 %g\n", qts[q], (long)rows, (long)cols, (long)n, (long)r, (long)i, y0[i * rows + r], y1[i * rows + r]);
+                                bad++;
+                            }
+                        }
+                    cases++;
+                    free(wf); free(wd); free(x); free(bias); free(sc); free(y0); free(y1); free(w);
+                }
+    printf("%d cases, %d mismatches, worst relative error %.2e\n", cases, bad, worst);
+    return bad != 0;
+}
