@@ -243,6 +243,26 @@ def test_routers_norms_biases_stay_f32(tiny, tmp_path):
         assert "model.layers.0.block_sparse_moe.gate.weight" in store.dense_names()
 
 
+def test_inspect_counts_match_transformers(tiny, tmp_path, capsys):
+    """inspect's parameter count equals transformers' count; active parameters are
+    dense + top-k experts per MoE layer; the CLI prints them and verifies checksums."""
+    from colibri.cli import main
+    from colibri.inspect import describe
+
+    arch, model, dirs = tiny
+    store = open_store(convert(dirs["original"], tmp_path / "s", show_progress=False))
+    d = describe(store)
+    # num_parameters() plus persistent buffers (DeepSeek-V3/GLM's e_score_correction_bias)
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n in model.state_dict())
+    assert d["params_total"] == model.num_parameters() + buffers
+    per_expert = sum(int(np.prod(t.shape)) for t in store.layout.tensors.values())
+    dense = d["params_total"] - len(store.records) * per_expert
+    assert d["params_active"] == dense + len(store.moe_layers) * 2 * per_expert
+    assert (d["experts"], d["top_k"], d["architecture"]) == (4, 2, arch)
+    assert main(["inspect", str(store.path), "--verify"]) == 0
+    assert f"all {len(store.records)} records verified" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q4_0", "q8_0"])
 def test_expert_quant_types_mixtral(quant, tmp_path):
     """Each --quant gives the reference encoding; f32 is exact, and dequantized q-types are
