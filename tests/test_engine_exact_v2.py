@@ -240,3 +240,27 @@ async def test_same_tokens_whatever_the_placement(case, tmp_path):
     ):
         tokens, _ = await _run(store, ids, 12, io=io, budget=budget, prefetch=prefetch, threads=1)
         assert tokens == reference, (case, io, budget, prefetch)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="default", rope_theta=1e4),
+        dict(rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=64),
+        dict(rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=64)
+        | dict(mscale=1.0, mscale_all_dim=0.8, beta_fast=16, beta_slow=2),
+    ],
+    ids=["default", "yarn", "yarn_mscale_all_dim"],
+)
+def test_mla_rope_and_softmax_scale_match_transformers(rope):
+    """inv_freq, the cos/sin scale (YaRN attention factor) and the softmax scale with the
+    mscale_all_dim correction are transformers' DeepseekV3RotaryEmbedding / Attention's."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    cfg = {**hf_models.COMMON, **hf_models.EXTRA_CONFIGS["deepseek_v3"][1], "rope_parameters": rope}
+    config = transformers.DeepseekV3Config(**cfg)
+    a = model_spec(config.to_dict()).layers[0].attention
+    emb = ds.DeepseekV3RotaryEmbedding(config)
+    np.testing.assert_array_equal(a.inv_freq, emb.inv_freq.numpy())
+    assert a.mscale == pytest.approx(emb.attention_scaling, rel=1e-12)
+    assert a.scale == pytest.approx(ds.DeepseekV3Attention(config, 0).scaling, rel=1e-12)
