@@ -374,31 +374,30 @@ def convert_hf(
     dense = plan_dense(ck, model_type, cfg, used, dense_quant)
     layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")
     total = sum(ck.nbytes(n) for n in ck.meta)
-    with StoreWriter(out, layout, force=force) as w:
-        w.begin_dense([(store, qt, shape) for _, store, qt, shape in dense])
-        bar = progress(total, f"convert {src.name}") if show_progress else None
-        for name, store, qt, shape in dense:
-            rows = shape[0] if shape else 1
-            step = max(1, _CHUNK_BYTES // max(1, ck.nbytes(name) // rows))
-            for r in range(0, rows, step):
-                x = ck.read(name, r, min(step, rows - r)) if shape else ck.read(name)
-                w.write_dense(store, quantize(x, qt) if qt != "f32" else x)
-            _tick(bar, ck.nbytes(name), 1, len(ck.meta))
-        for layer, spec in experts.items():
-            for e in range(E):
-                parts = _expert_parts(ck, spec, e, I)
-                w.write_expert(
-                    layer,
-                    e,
-                    {k: quantize(v, quant) if k in ("gate", "up", "down") else v.astype(np.float32)
-                     for k, v in parts.items()},
-                )  # fmt: skip
-            names = _names(spec)
-            _tick(bar, sum(ck.nbytes(n) for n in names), len(names), len(ck.meta))
+    bar = progress(total, f"convert {src.name}") if show_progress else None
+    try:
+        with StoreWriter(out, layout, force=force) as w:
+            w.begin_dense([(store, qt, shape) for _, store, qt, shape in dense])
+            for name, store, qt, shape in dense:
+                rows = shape[0] if shape else 1
+                step = max(1, _CHUNK_BYTES // max(1, ck.nbytes(name) // rows))
+                for r in range(0, rows, step):
+                    x = ck.read(name, r, min(step, rows - r)) if shape else ck.read(name)
+                    w.write_dense(store, quantize(x, qt) if qt != "f32" else x)
+                _tick(bar, ck.nbytes(name), 1, len(ck.meta))
+            for layer, spec in experts.items():
+                for e in range(E):
+                    parts = _expert_parts(ck, spec, e, I)
+                    for k in ("gate", "up", "down"):  # biases stay f32
+                        parts[k] = quantize(parts[k], quant)
+                    w.write_expert(layer, e, parts)
+                names = _names(spec)
+                _tick(bar, sum(ck.nbytes(n) for n in names), len(names), len(ck.meta))
+            copy_tokenizer(src, w)
+            return w.finish(model_type, cfg, {"kind": "hf", "name": src.name})
+    finally:
         if bar is not None:
             bar.close()
-        copy_tokenizer(src, w)
-        return w.finish(model_type, cfg, {"kind": "hf", "name": src.name})
 
 
 def _names(spec: dict[str, Any]) -> list[str]:
