@@ -26,13 +26,19 @@ from colibri.compute import ops
 
 
 def best_time(fn, repeat: int) -> float:
+    """Best wall time of `repeat` runs (after one warm-up run)."""
+    return best_time_cpu(fn, repeat)[0]
+
+
+def best_time_cpu(fn, repeat: int) -> tuple[float, float]:
+    """(wall, process CPU seconds) of the fastest of `repeat` runs, after a warm-up run."""
     fn()  # warm up (page faults, thread pool start)
-    times = []
+    runs = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        runs.append((time.perf_counter() - t, time.process_time() - c))
+    return min(runs)
 
 
 def copy_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
@@ -83,14 +89,16 @@ def main() -> None:
     nt = ops.default_threads()
     rng = np.random.default_rng(0)
     print(f"ISA {ops.isa().name}, default threads {nt} (os.cpu_count {os.cpu_count()}), "
-          f"weights {args.mib} MiB, cols {args.cols}, best of {args.repeat}")  # fmt: skip
+          f"weights {args.mib} MiB, cols {args.cols}, best of {args.repeat}, "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
     bw = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
     for t, v in bw.items():
         print(f"memory bandwidth, numpy copy of 256 MiB, {t} thread(s): {v:6.2f} GB/s (read+write)")
     print()
+    print("cpu% = process CPU time / (wall x threads): below 100% the machine was busy.")
     print(f"{'format':<6} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12} {'of mem bw':>10}"
-          f" {'GFLOP/s':>8}")  # fmt: skip
+          f" {'GFLOP/s':>8} {'cpu%':>5}")  # fmt: skip
     for name in args.formats.split(","):
         qt = ops.QType.parse(name)
         rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
@@ -99,10 +107,11 @@ def main() -> None:
             x = rng.standard_normal((n, args.cols)).astype(np.float32)
             y = np.empty((n, rows), np.float32)
             for t in sorted({1, nt}):
-                s = best_time(lambda: ops.matmul(w, qt, x, y, nthreads=t), args.repeat)  # noqa: B023
+                s, cpu = best_time_cpu(lambda: ops.matmul(w, qt, x, y, nthreads=t), args.repeat)  # noqa: B023
                 gbs = w.nbytes / s / 1e9
                 print(f"{qt.name:<6} {n:>3} {t:>3} {s * 1e3:8.2f} {gbs:12.2f} "
-                      f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}")  # fmt: skip
+                      f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}"
+                      f" {cpu / s / t:5.0%}")  # fmt: skip
         del w
 
     print("\nsmall-call latency (median / best us per call through ops.*, cache-resident):")

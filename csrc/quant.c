@@ -160,7 +160,7 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
         for (int64_t i = 0; i < n; i++) out[i] = clb_bf16_to_f32(clb_load_u16(p + 2 * i));
         break;
     default: {
-        int64_t e, bb;
+        int64_t e = 1, bb = 1;
         clb_qtype_block(qtype, &e, &bb);
         for (int64_t b = 0; b < n / QK; b++) dequantize_block(qtype, out + b * QK, p + b * bb);
     }
@@ -174,7 +174,7 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
 void clb_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                      const float *x, int64_t ldx, int64_t cols, int64_t n, int64_t r0, int64_t r1,
                      const float *bias, const float *scale, int accumulate) {
-    int64_t e, bb;
+    int64_t e = 1, bb = 1;
     clb_qtype_block(qtype, &e, &bb);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_nbytes;

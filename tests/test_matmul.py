@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -121,3 +122,26 @@ def test_avx512_emulated(tmp_path):
                     "-lm"], check=True)  # fmt: skip
     res = subprocess.run([exe], capture_output=True, text=True)
     assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout
+
+
+def test_isa_forcing():
+    with pytest.raises(KernelError, match="unknown ISA level 'sse9'"):
+        ops.set_isa("sse9")
+    code = "from colibri.compute import ops; print(ops.isa().name, ops.default_threads())"
+    env = {**os.environ, "COLIBRI_ISA": "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["SCALAR", str(ops.default_threads())]
+    if ops.best_isa() < ops.ISA.AVX512:
+        env["COLIBRI_ISA"] = "avx512"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode != 0 and "COLIBRI_ISA" in out.stderr
+
+
+def test_default_threads_is_physical_cores():
+    path = "/sys/devices/system/cpu/cpu0/topology/thread_siblings_list"
+    per_core = 1
+    if os.path.exists(path):
+        with open(path) as f:
+            parts = [p.split("-") for p in f.read().strip().split(",")]
+        per_core = sum(int(p[-1]) - int(p[0]) + 1 for p in parts)
+    assert ops.default_threads() == max(1, os.sysconf("SC_NPROCESSORS_ONLN") // per_core)

@@ -93,8 +93,13 @@ def best_isa() -> ISA:
 
 
 def set_isa(level: ISA | str | int) -> None:
-    """Force a level (tests, benchmarks). Raises KernelError if the CPU cannot run it."""
-    level = ISA[level.upper()] if isinstance(level, str) else ISA(level)
+    """Force a level (tests, benchmarks): ISA, 'scalar' / 'avx2' / 'avx512' or 0 / 1 / 2.
+    Raises KernelError for an unknown level or one this CPU (or build) cannot run."""
+    try:
+        level = ISA[level.upper()] if isinstance(level, str) else ISA(level)
+    except (KeyError, ValueError):
+        valid = ", ".join(i.name.lower() for i in ISA)
+        raise KernelError(f"unknown ISA level {level!r} (valid: {valid})") from None
     _check(lib.clb_isa_set(int(level)), f"set_isa({level.name})")
 
 
@@ -104,7 +109,10 @@ def default_threads() -> int:
 
 
 if os.environ.get("COLIBRI_ISA"):
-    set_isa(os.environ["COLIBRI_ISA"])
+    try:
+        set_isa(os.environ["COLIBRI_ISA"])
+    except KernelError as exc:
+        raise KernelError(f"environment variable COLIBRI_ISA: {exc}") from None
 
 # ---- quantization, matmul, expert FFN ------------------------------------------------------
 
