@@ -10,6 +10,7 @@ with the next layer's router, correction bias and groups included).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import itertools
 
@@ -63,21 +64,23 @@ async def _run(store, ids: list[int], n: int, **options) -> tuple[list[int], np.
 
 @pytest.fixture(scope="module", params=sorted(hf_models.EXTRA_CONFIGS))
 def hf_pair(request, tmp_path_factory):
+    """(case, model, checkpoint dir, prompt, f32 store, our greedy tokens and logits there)."""
     case = request.param
     model = hf_models.build(case, seed=3)
-    src = hf_models.save(model, tmp_path_factory.mktemp(case) / "hf")
+    root = tmp_path_factory.mktemp(case)
+    src = hf_models.save(model, root / "hf")
     ids = _prompt(model, seed=5)
     if ids is None:
         pytest.skip(f"{case}: no prompt without a near-tie in 8 tries")
-    return case, model, src, ids
-
-
-async def test_f32_matches_transformers(hf_pair, tmp_path):
-    case, model, src, ids = hf_pair
-    store = tmp_path / "store"
+    store = root / "f32"
     convert(src, store, quant="f32", dense_quant="f32")
+    tokens, logits = asyncio.run(_run(store, ids, NEW_TOKENS))  # prefetch on (the default)
+    return case, model, src, ids, store, tokens, logits
+
+
+def test_f32_matches_transformers(hf_pair):
+    case, model, _src, ids, _store, tokens, logits = hf_pair
     expected = hf_models.greedy(model, ids, NEW_TOKENS)
-    tokens, logits = await _run(store, ids, NEW_TOKENS)  # prefetch on (the default)
     assert tokens == expected, case
     ref = hf_models.reference_logits(model, ids + expected)[PROMPT_LEN - 1 : -1]
     scale = np.abs(ref).max()
@@ -87,11 +90,9 @@ async def test_f32_matches_transformers(hf_pair, tmp_path):
 
 @pytest.mark.parametrize("quant", sorted(QUANT_BOUNDS))
 async def test_quantized_close_to_float(hf_pair, tmp_path, quant):
-    case, _model, src, ids = hf_pair
-    f32_store, q_store = tmp_path / "f32", tmp_path / quant
-    convert(src, f32_store, quant="f32", dense_quant="f32")
+    case, _model, src, ids, _store, tokens, ref_logits = hf_pair
+    q_store = tmp_path / quant
     convert(src, q_store, quant=quant, dense_quant="q8_0")
-    tokens, ref_logits = await _run(f32_store, ids, NEW_TOKENS)
     async with open_engine(q_store) as engine:  # teacher-forced on the float run's tokens
         seq = engine.new_sequence()
         q_logits = [await engine.forward(seq, ids)]
