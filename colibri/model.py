@@ -273,10 +273,9 @@ class Model:
         paper, section 2.1.2): for head h, q_nope . (W_UK_h c) = (W_UK_h^T q_nope) . c, so the
         query becomes [W_UK_h^T q_nope | q_rope], every head attends to the one shared entry
         [c | k_r] (MQA; the entry is also the value), and W_UV_h (sum p c) is applied after the
-        softmax. Per
-        cached token that costs n_heads * 2 (rank + rope) multiply-adds instead of expanding it
-        through kv_b_proj on every step. Same math as transformers' expand-then-attend, summed
-        in another order. Returns f32 [n, n_heads, v_head_dim].
+        softmax. Per cached token that costs n_heads * 2 (rank + rope) multiply-adds instead of
+        expanding it through kv_b_proj on every step. Same math as transformers'
+        expand-then-attend, summed in another order. Returns f32 [n, n_heads, v_head_dim].
         """
         a, w = self.spec.layers[i].attention, self.layers[i]
         m, n, H = a.mla, h.shape[0], a.n_heads
