@@ -1,14 +1,14 @@
 /* ffn.c — the fused expert FFN, straight from an expert record's gate/up/down bytes.
  *
- * One OpenMP region per call: each thread computes its slice of d_ff for gate and up (x stays
- * in cache between the two), applies the activation to that slice, then after one barrier its
- * slice of d_model for down, whose epilogue adds the bias, scales by the routing weight and
- * accumulates into y. Inner loops: the matmul rows kernels (quant.h).
+ * One OpenMP region per call: threads take chunks of d_ff rows and compute gate and up for
+ * them (x stays in cache between the two) and the activation; after one barrier, chunks of
+ * d_model rows of down, whose epilogue adds the bias, scales by the routing weight and
+ * accumulates into y. Chunks are scheduled dynamically (see clb_chunk_rows). Inner loops: the
+ * matmul rows kernels (quant.h).
  *
  * scratch [n, 2 d_ff] f32: g = scratch[0 : n d_ff] as [n, d_ff], u = the rest; h overwrites g.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 
 #include "colibri.h"
@@ -52,16 +52,20 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const vo
     const clb_mm_rows_fn fn = clb_mm_rows_for_isa();
     float *g = scratch, *u = scratch + n * d_ff;
     const int nt = clb_threads_for(nthreads, 3 * d_ff * rb_model * ((n + 3) / 4), d_ff);
+    const int64_t ch_ff = clb_chunk_rows(d_ff, nt), ch_model = clb_chunk_rows(d_model, nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t f0 = d_ff * t / T, f1 = d_ff * (t + 1) / T;
-        fn(qtype, g, d_ff, gate, rb_model, x, d_model, d_model, n, f0, f1, gate_bias, NULL, 0);
-        fn(qtype, u, d_ff, up, rb_model, x, d_model, d_model, n, f0, f1, up_bias, NULL, 0);
-        ffn_act(g, u, d_ff, n, f0, f1, act, alpha, limit);
-#pragma omp barrier
-        fn(qtype, y, d_model, down, rb_ff, g, d_ff, d_ff, n, d_model * t / T,
-           d_model * (t + 1) / T, down_bias, row_weight, accumulate);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t f0 = 0; f0 < d_ff; f0 += ch_ff) {
+            const int64_t f1 = f0 + ch_ff < d_ff ? f0 + ch_ff : d_ff;
+            fn(qtype, g, d_ff, gate, rb_model, x, d_model, d_model, n, f0, f1, gate_bias, NULL, 0);
+            fn(qtype, u, d_ff, up, rb_model, x, d_model, d_model, n, f0, f1, up_bias, NULL, 0);
+            ffn_act(g, u, d_ff, n, f0, f1, act, alpha, limit);
+        } /* implicit barrier: h complete */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t m0 = 0; m0 < d_model; m0 += ch_model)
+            fn(qtype, y, d_model, down, rb_ff, g, d_ff, d_ff, n, m0,
+               m0 + ch_model < d_model ? m0 + ch_model : d_model, down_bias, row_weight, accumulate);
     }
     return CLB_OK;
 }

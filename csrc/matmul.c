@@ -1,9 +1,8 @@
 /* matmul.c — y[n, rows] = x[n, cols] @ W[rows, cols]^T for every storage type.
  *
- * Argument checks, ISA dispatch and OpenMP threading over weight rows. The inner loops are
+ * Argument checks, ISA dispatch and OpenMP threading over chunks of weight rows. The inner loops are
  * clb_mm_rows_ref (quant.c, scalar twin) and clb_mm_rows_avx2 / _avx512 (arch/).
  */
-#include <omp.h>
 #include <stdint.h>
 
 #include "colibri.h"
@@ -28,6 +27,13 @@ int clb_threads_for(int nthreads, int64_t work_bytes, int64_t rows) {
     return nt;
 }
 
+/* Rows per dynamically scheduled chunk: about 8 chunks a thread, whole 16-row tiles. On a
+ * shared machine a thread that is not running holds at most one chunk, not 1/nt of the work. */
+int64_t clb_chunk_rows(int64_t rows, int nt) {
+    int64_t ch = (rows / (8 * (int64_t)nt) + 15) / 16 * 16;
+    return ch < 16 ? 16 : ch;
+}
+
 int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows, int64_t cols,
                int64_t n, int nthreads) {
     const int64_t rb = clb_row_nbytes(qtype, cols);
@@ -42,10 +48,9 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows,
         fn(qtype, y, rows, w, rb, x, cols, cols, n, 0, rows, NULL, NULL, 0);
         return CLB_OK;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        fn(qtype, y, rows, w, rb, x, cols, cols, n, rows * t / T, rows * (t + 1) / T, NULL, NULL, 0);
-    }
+    const int64_t ch = clb_chunk_rows(rows, nt);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t c = 0; c < rows; c += ch)
+        fn(qtype, y, rows, w, rb, x, cols, cols, n, c, c + ch < rows ? c + ch : rows, NULL, NULL, 0);
     return CLB_OK;
 }

@@ -86,5 +86,7 @@ clb_mm_rows_fn clb_mm_rows_for_isa(void);
 
 /* Threads for a job of `work_bytes` weight bytes (times batch), capped by the request. */
 int clb_threads_for(int nthreads, int64_t work_bytes, int64_t rows);
+/* Rows per chunk when `rows` are shared among nt threads by dynamic scheduling. */
+int64_t clb_chunk_rows(int64_t rows, int nt);
 
 #endif
