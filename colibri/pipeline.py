@@ -160,17 +160,21 @@ class Pipeline:
                 t0 = time.perf_counter()
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 self.times.wait_io += time.perf_counter() - t0
+                batch, error = [], None
                 for task in done:
                     consumed.add(task)
-                    e, lease = task.result()
-                    try:
-                        tok, slot = np.nonzero(ids == e)
-                        y = await self._run(
-                            self.model.expert_ffn, lease.buffer, h, tok, weights[tok, slot]
-                        )
-                        slots[tok, slot] = y
-                        self.times.experts += 1
-                    finally:
+                    if task.exception() is not None:
+                        error = error or task.exception()
+                    else:
+                        batch.append(task.result())
+                try:
+                    if error is not None:
+                        raise error
+                    # every record that is ready now, in one trip to the compute thread
+                    await self._run(self._expert_batch, batch, h, ids, weights, slots)
+                    self.times.experts += len(batch)
+                finally:
+                    for _, lease in batch:
                         lease.release()
         finally:
             # on error or cancellation: stop the other reads, collect their outcome (so no
@@ -182,6 +186,19 @@ class Pipeline:
                 if isinstance(r, tuple):
                     r[1].release()
         return slots
+
+    def _expert_batch(
+        self,
+        batch: list[tuple[int, Any]],
+        h: np.ndarray,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        slots: np.ndarray,
+    ) -> None:
+        """Run the experts of `batch` ((expert, lease) pairs) on their tokens into slots."""
+        for e, lease in batch:
+            tok, slot = np.nonzero(ids == e)
+            slots[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
 
 
 def _sum_slots(out: np.ndarray, slots: np.ndarray) -> None:
