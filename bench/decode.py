@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,45 +82,72 @@ def memory_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / best / 1e9
 
 
+@dataclass
+class DecodeFigures:
+    """Decode phase only (prefill excluded): per generated token."""
+
+    backend: str
+    ttft: float  # seconds: prefill of the prompt + the first token
+    tok_s: float
+    hit_rate: float
+    bytes_per_token: float
+    wait_io: float  # seconds per token awaiting records that were not ready
+    compute: float  # seconds per token in kernels
+    prefetch: object
+
+
 async def decode(path: Path, budget: int, n_prompt: int, n_tokens: int, warm: bool, **opts):
     async with open_engine(path, budget=budget, n_ctx=n_prompt + n_tokens + 8, **opts) as eng:
         rng = np.random.default_rng(0)
         prompt = rng.integers(10, eng.spec.vocab_size, n_prompt).tolist()
         if warm:  # one pass of the same tokens loads what decode will touch
             await eng.generate(prompt, max_tokens=n_tokens, temperature=0)
-        final = None
-        async for tok in eng.stream(prompt, max_tokens=n_tokens, temperature=0):
-            final = tok
-        st = final.statistics
-        pre = eng.prefetcher.statistics() if eng.prefetcher else None
-        return st, eng.reader.statistics().backend, pre
+        seq = eng.new_sequence()
+        t0 = time.perf_counter()
+        logits = await eng.forward(seq, prompt)
+        ttft = time.perf_counter() - t0
+        times, c0 = eng.pipeline.times, eng.cache.statistics()
+        io0, comp0 = times.wait_io, times.compute
+        t1 = time.perf_counter()
+        for _ in range(n_tokens):
+            logits = await eng.forward(seq, [int(np.argmax(logits))])
+        dt = time.perf_counter() - t1
+        c1 = eng.cache.statistics()
+        gets = (c1.hits - c0.hits) + (c1.misses - c0.misses)
+        return DecodeFigures(
+            backend=eng.reader.statistics().backend,
+            ttft=ttft,
+            tok_s=n_tokens / dt,
+            hit_rate=(c1.hits - c0.hits) / gets if gets else 1.0,
+            bytes_per_token=(c1.bytes_read - c0.bytes_read) / n_tokens,
+            wait_io=(times.wait_io - io0) / n_tokens,
+            compute=(times.compute - comp0) / n_tokens,
+            prefetch=eng.prefetcher.statistics() if eng.prefetcher else None,
+        )
 
 
-def report(name: str, st, backend: str, disk: float, pre) -> None:
-    n = max(1, st.generated_tokens)
-    per_tok_io = st.wait_io_seconds / (n + 1)
-    per_tok_compute = st.compute_seconds / (n + 1)
-    bpt = st.bytes_read / n
-    storage_bound = disk * 1e9 / bpt if bpt else float("inf")
-    compute_bound = 1.0 / per_tok_compute if per_tok_compute else float("inf")
+def report(name: str, f: DecodeFigures, disk: float) -> None:
+    storage_bound = disk * 1e9 / f.bytes_per_token if f.bytes_per_token else float("inf")
+    compute_bound = 1.0 / f.compute
     bound = min(storage_bound, compute_bound)
-    print(f"\n== {name} ({backend})")
+    print(f"\n== {name} ({f.backend})")
     print(
-        f"  decode {st.decode_tok_s:8.2f} tok/s   TTFT {st.ttft * 1e3:8.0f} ms   "
-        f"hit rate {st.hit_rate:6.1%}   read {bpt / 2**20:8.1f} MiB/token"
+        f"  decode {f.tok_s:8.2f} tok/s   TTFT {f.ttft * 1e3:8.0f} ms   "
+        f"hit rate {f.hit_rate:6.1%}   read {f.bytes_per_token / 2**20:8.1f} MiB/token"
     )
     print(
-        f"  per token: waiting on disk {per_tok_io * 1e3:7.1f} ms, computing "
-        f"{per_tok_compute * 1e3:7.1f} ms (prefill included in the averages)"
+        f"  per token: waiting on disk {f.wait_io * 1e3:7.1f} ms, computing "
+        f"{f.compute * 1e3:7.1f} ms, other {(1 / f.tok_s - f.wait_io - f.compute) * 1e3:7.1f} ms"
     )
-    if pre is not None:
+    if f.prefetch is not None:
+        p = f.prefetch
         print(
-            f"  prefetch: recall {pre.recall:.1%} precision {pre.precision:.1%} "
-            f"enabled {pre.enabled} backoffs {pre.backoffs}"
+            f"  prefetch: recall {p.recall:.1%} precision {p.precision:.1%} "
+            f"enabled {p.enabled} backoffs {p.backoffs}"
         )
     print(
         f"  storage bound {storage_bound:8.2f} tok/s   compute bound {compute_bound:8.2f} "
-        f"tok/s   -> colibri at {st.decode_tok_s / bound:6.1%} of the lower bound"
+        f"tok/s   -> colibri at {f.tok_s / bound:6.1%} of the lower bound"
     )
 
 
@@ -146,14 +174,14 @@ def main() -> int:
     print(f"memory copy bandwidth {mem:.1f} GB/s (read+write)")
 
     all_small = sum(r.nbytes for r in s.records)
-    st, backend, pre = asyncio.run(
+    fig = asyncio.run(
         decode(small, all_small, args.prompt_tokens, args.tokens, warm=True, io=args.io)
     )
     disk = fio_gbps(small / "experts.bin", s.layout.record_nbytes, k, 1 << 30)
     print(
         f"disk (fio io_uring O_DIRECT, {s.layout.record_nbytes >> 10} KiB, QD {k}): {disk:.2f} GB/s"
     )
-    report(f"(a) fits: {small.name}, budget = all experts, warm", st, backend, disk, pre)
+    report(f"(a) fits: {small.name}, budget = all experts, warm", fig, disk)
 
     if args.skip_big:
         return 0
@@ -170,10 +198,10 @@ def main() -> int:
         f"\nbig store: {size / 2**30:.1f} GiB of experts, budget {args.budget / 2**30:.1f} GiB;"
         f" page cache dropped: {dropped}; disk (fio, QD {k}): {disk:.2f} GB/s"
     )
-    st, backend, pre = asyncio.run(
+    fig = asyncio.run(
         decode(big, args.budget, args.prompt_tokens, args.tokens, warm=False, io=args.io)
     )
-    report(f"(b) out of core: {big.name}, cold", st, backend, disk, pre)
+    report(f"(b) out of core: {big.name}, cold", fig, disk)
     return 0
 
 
