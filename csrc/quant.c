@@ -12,6 +12,9 @@
 #include "colibri.h"
 #include "quant.h"
 
+/* Below this many elements quantize/dequantize stay on the calling thread. */
+#define QUANT_PAR_MIN (1 << 20)
+
 int clb_qtype_block(int qtype, int64_t *block_elems, int64_t *block_bytes) {
     int64_t e = QK, b;
     switch (qtype) {
@@ -42,11 +45,6 @@ static inline int32_t np_f2i(float v) {
     return (v > -2147483648.0f && v < 2147483648.0f) ? (int32_t)v : INT32_MIN;
 }
 
-/* gguf.quants.np_roundf: round half away from zero. */
-static inline float roundf_away(float v) {
-    float a = fabsf(v), fl = floorf(a), b = fl + floorf(2 * (a - fl));
-    return v > 0 ? b : v < 0 ? -b : 0.0f * b;
-}
 
 static void quantize_q4_0(block_q4_0 *out, const float *x) {
     float max = x[0], amax = fabsf(x[0]);
@@ -79,11 +77,13 @@ static void quantize_q4_1(block_q4_1 *out, const float *x) {
     for (int j = 0; j < QK / 2; j++) out->qs[j] = (uint8_t)(q[j] | (q[j + QK / 2] << 4));
 }
 
+/* gguf's np_roundf rounds half away from zero, as C's roundf (the same for inf/NaN after the
+ * integer conversion). */
 static void quantize_q8_0(block_q8_0 *out, const float *x) {
     float amax = 0;
     for (int j = 0; j < QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
     float d = amax / 127, id = d != 0 ? 1.0f / d : 0.0f;
-    for (int j = 0; j < QK; j++) out->qs[j] = (int8_t)np_f2i(roundf_away(x[j] * id));
+    for (int j = 0; j < QK; j++) out->qs[j] = (int8_t)np_f2i(roundf(x[j] * id));
     out->d = clb_f32_to_f16(d);
 }
 
@@ -91,25 +91,24 @@ int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t nc
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
     if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !x))) return CLB_EINVAL;
-    int64_t n = nrows * ncols;
+    const int64_t n = nrows * ncols;
     uint8_t *o = out;
-    switch (qtype) {
-    case CLB_QTYPE_F32: memcpy(o, x, (size_t)n * 4); break;
-    case CLB_QTYPE_F16:
-        for (int64_t i = 0; i < n; i++) { uint16_t h = clb_f32_to_f16(x[i]); memcpy(o + 2 * i, &h, 2); }
-        break;
-    case CLB_QTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) { uint16_t h = clb_f32_to_bf16(x[i]); memcpy(o + 2 * i, &h, 2); }
-        break;
-    case CLB_QTYPE_Q4_0:
-        for (int64_t b = 0; b < n / QK; b++) quantize_q4_0((block_q4_0 *)o + b, x + b * QK);
-        break;
-    case CLB_QTYPE_Q4_1:
-        for (int64_t b = 0; b < n / QK; b++) quantize_q4_1((block_q4_1 *)o + b, x + b * QK);
-        break;
-    case CLB_QTYPE_Q8_0:
-        for (int64_t b = 0; b < n / QK; b++) quantize_q8_0((block_q8_0 *)o + b, x + b * QK);
-        break;
+    if (qtype == CLB_QTYPE_F32) {
+        memcpy(o, x, (size_t)n * 4);
+        return CLB_OK;
+    }
+    /* blocks (or elements) are independent: threads over them, same bytes for any count */
+    const int64_t nb = qtype == CLB_QTYPE_F16 || qtype == CLB_QTYPE_BF16 ? n : n / QK;
+#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
+    for (int64_t b = 0; b < nb; b++) {
+        uint16_t h;
+        switch (qtype) {
+        case CLB_QTYPE_F16: h = clb_f32_to_f16(x[b]); memcpy(o + 2 * b, &h, 2); break;
+        case CLB_QTYPE_BF16: h = clb_f32_to_bf16(x[b]); memcpy(o + 2 * b, &h, 2); break;
+        case CLB_QTYPE_Q4_0: quantize_q4_0((block_q4_0 *)o + b, x + b * QK); break;
+        case CLB_QTYPE_Q4_1: quantize_q4_1((block_q4_1 *)o + b, x + b * QK); break;
+        case CLB_QTYPE_Q8_0: quantize_q8_0((block_q8_0 *)o + b, x + b * QK); break;
+        }
     }
     return CLB_OK;
 }
@@ -149,21 +148,23 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
     if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !data))) return CLB_EINVAL;
-    int64_t n = nrows * ncols;
+    const int64_t n = nrows * ncols;
     const uint8_t *p = data;
-    switch (qtype) {
-    case CLB_QTYPE_F32: memcpy(out, p, (size_t)n * 4); break;
-    case CLB_QTYPE_F16:
-        for (int64_t i = 0; i < n; i++) out[i] = clb_f16_to_f32(clb_load_u16(p + 2 * i));
-        break;
-    case CLB_QTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) out[i] = clb_bf16_to_f32(clb_load_u16(p + 2 * i));
-        break;
-    default: {
-        int64_t e = 1, bb = 1;
-        clb_qtype_block(qtype, &e, &bb);
-        for (int64_t b = 0; b < n / QK; b++) dequantize_block(qtype, out + b * QK, p + b * bb);
+    int64_t e = 1, bb = 1;
+    clb_qtype_block(qtype, &e, &bb);
+    if (qtype == CLB_QTYPE_F32) {
+        memcpy(out, p, (size_t)n * 4);
+        return CLB_OK;
     }
+    if (qtype == CLB_QTYPE_F16) {
+#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
+        for (int64_t i = 0; i < n; i++) out[i] = clb_f16_to_f32(clb_load_u16(p + 2 * i));
+    } else if (qtype == CLB_QTYPE_BF16) {
+#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
+        for (int64_t i = 0; i < n; i++) out[i] = clb_bf16_to_f32(clb_load_u16(p + 2 * i));
+    } else {
+#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
+        for (int64_t b = 0; b < n / QK; b++) dequantize_block(qtype, out + b * QK, p + b * bb);
     }
     return CLB_OK;
 }

@@ -147,3 +147,11 @@ def test_out_params_and_buffers():
     deq = np.empty((4, 64), np.float32)
     assert ops.dequantize(bytes(out), "q4_1", (4, 64), out=deq) is deq
     np.testing.assert_array_equal(deq, ref.dequantize(out, ops.QType.Q4_1, (4, 64)))
+
+
+@pytest.mark.parametrize("qt", [ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.F16], ids=str)
+def test_large_tensor_threaded_path(qt):
+    """>= 2^20 elements take the multi-threaded loops in quant.c; still byte-exact."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((1024, 1056)) * rng.uniform(1e-2, 1e2, (1024, 1))).astype(np.float32)
+    _check_roundtrip(x, qt)
