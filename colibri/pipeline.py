@@ -101,26 +101,25 @@ class Pipeline:
         x = await self._run(m.embed, np.asarray(tokens, dtype=np.int64))
         for spec in m.spec.layers:
             i = spec.index
+            if not spec.moe:  # a dense layer: one trip to the compute thread
+                await self._run(self._dense_layer, i, x, kv, pos0)
+                continue
             h, ids, weights, predicted = await self._run(self._attention_and_route, i, x, kv, pos0)
-            out = np.zeros_like(x)
-            if spec.moe:
-                experts = np.unique(ids)
-                self.cache.request(i, experts.tolist())
-                if self.prefetcher is not None and predicted is not None:
-                    self.prefetcher.predict(predicted[0], predicted[1])
-                dense = asyncio.ensure_future(self._run(m.dense_ffn, i, h, out))
-                try:
-                    slots = await self._experts(i, h, ids, weights, experts)
-                finally:
-                    await asyncio.wait([dense])
-                dense.result()
-                await self._run(_sum_slots, out, slots)
-            else:
-                await self._run(m.dense_ffn, i, h, out)
-            x += out
+            experts = np.unique(ids).tolist()
+            self.cache.request(i, experts)  # misses go to disk now, as one batch
+            if self.prefetcher is not None and predicted is not None:
+                self.prefetcher.predict(*predicted)
+            await self._moe(i, x, h, ids, weights, experts)
             self.times.layers += 1
         kv.length = pos0 + n
         return (await self._run(m.logits, x[-1:]))[0]
+
+    def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
+        m = self.model
+        m.attention(i, x, kv, pos0)
+        out = np.zeros_like(x)
+        m.dense_ffn(i, m.post_norm(i, x), out)
+        x += out
 
     def _attention_and_route(
         self, i: int, x: np.ndarray, kv: KVCache, pos0: int
@@ -143,65 +142,91 @@ class Pipeline:
                 predicted = (nxt, np.unique(p_ids).tolist())
         return h, ids, weights, predicted
 
-    async def _experts(
-        self, i: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: np.ndarray
-    ) -> np.ndarray:
-        """Each chosen expert's weighted output in its own slot: f32 [n, k, d_model]."""
+    async def _moe(
+        self,
+        i: int,
+        x: np.ndarray,
+        h: np.ndarray,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        experts: list[int],
+    ) -> None:
+        """x += shared expert (if any) + sum of the routed experts' weighted outputs.
+
+        Records already in the cache are computed in the first trip to the compute thread,
+        together with the shared expert, while the misses are read; each later trip takes
+        every record that has arrived. Each expert writes its own slot of `slots`
+        (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
+        """
         slots = np.zeros((*ids.shape, h.shape[1]), dtype=np.float32)
+        hits = [e for e in experts if self.cache.contains(i, e)]
+        ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
 
         async def fetch(e: int) -> tuple[int, Any]:
             return e, await self.cache.get(i, e)
 
-        tasks = [asyncio.ensure_future(fetch(int(e))) for e in experts]
+        tasks = [asyncio.ensure_future(fetch(e)) for e in experts if e not in hits]
         consumed: set[asyncio.Future] = set()
         try:
             pending = set(tasks)
-            while pending:
-                t0 = time.perf_counter()
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                self.times.wait_io += time.perf_counter() - t0
-                batch, error = [], None
-                for task in done:
-                    consumed.add(task)
-                    if task.exception() is not None:
-                        error = error or task.exception()
-                    else:
-                        batch.append(task.result())
-                try:
+            first = True
+            while first or pending:
+                if not first:
+                    t0 = time.perf_counter()
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    self.times.wait_io += time.perf_counter() - t0
+                    error = None
+                    for task in done:
+                        consumed.add(task)
+                        if task.exception() is not None:
+                            error = error or task.exception()
+                        else:
+                            ready.append(task.result())
                     if error is not None:
                         raise error
-                    # every record that is ready now, in one trip to the compute thread
-                    await self._run(self._expert_batch, batch, h, ids, weights, slots)
+                batch, ready = ready, []
+                try:
+                    await self._run(
+                        self._expert_step, i, batch, x, h, ids, weights, slots, first, not pending
+                    )
                     self.times.experts += len(batch)
                 finally:
                     for _, lease in batch:
                         lease.release()
+                first = False
         finally:
             # on error or cancellation: stop the other reads, collect their outcome (so no
             # exception goes unretrieved) and release what they hold
+            for _, lease in ready:
+                lease.release()
             rest = [t for t in tasks if t not in consumed]
             for t in rest:
                 t.cancel()
             for r in await asyncio.gather(*rest, return_exceptions=True):
                 if isinstance(r, tuple):
                     r[1].release()
-        return slots
 
-    def _expert_batch(
+    def _expert_step(
         self,
+        i: int,
         batch: list[tuple[int, Any]],
+        x: np.ndarray,
         h: np.ndarray,
         ids: np.ndarray,
         weights: np.ndarray,
         slots: np.ndarray,
+        first: bool,
+        last: bool,
     ) -> None:
-        """Run the experts of `batch` ((expert, lease) pairs) on their tokens into slots."""
+        """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
+        ((expert, lease) pairs) on their tokens, and (last trip) the residual sum."""
+        if first:
+            out = np.zeros_like(x)
+            self.model.dense_ffn(i, h, out)
+            x += out
         for e, lease in batch:
             tok, slot = np.nonzero(ids == e)
             slots[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
-
-
-def _sum_slots(out: np.ndarray, slots: np.ndarray) -> None:
-    """out += sum over k of slots[:, k] in slot order (fixed, whatever the arrival order)."""
-    for j in range(slots.shape[1]):
-        out += slots[:, j]
+        if last:
+            for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
+                x += slots[:, j]
