@@ -63,6 +63,10 @@ def run_fio(path: str, rec: int, qd: int, total: int, file_nbytes: int, seed: in
         "--rw=randread",
         f"--bs={rec}",
         f"--iodepth={qd}",
+        # submit and reap in batches, as UringReader does: a weaker fio would flatter us
+        f"--iodepth_batch_submit={qd}",
+        "--iodepth_batch_complete_min=1",
+        f"--iodepth_batch_complete_max={qd}",
         "--ioengine=io_uring",
         "--direct=1",
         "--fixedbufs=1",
