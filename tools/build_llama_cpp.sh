@@ -12,65 +12,72 @@
 #      JOBS (default 2), NICE (default 19), PYTHON (default the repo's .venv/bin/python).
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-CACHE="${COLIBRI_CACHE:-$HOME/.cache/colibri}"
-PREFIX="$CACHE/llama.cpp-$VERSION"
-JOBS="${JOBS:-2}"
-NICE="${NICE:-19}"
-TARGETS=(llama-bench llama-completion llama-quantize llama-debug)
-REPO="$(cd "$(dirname "$0")/.." && pwd)"
-PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-[[ -x "$PYTHON" ]] || PYTHON=python3
+# The whole script is one function, parsed before it runs: editing this file mid-build
+# cannot derail a running build.
+main() {
 
-if [[ "${CI:-}" == "true" ]]; then
-  echo "build_llama_cpp.sh: refusing to run under CI (it is a multi-minute native build)" >&2
-  exit 2
-fi
+  VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+  CACHE="${COLIBRI_CACHE:-$HOME/.cache/colibri}"
+  PREFIX="$CACHE/llama.cpp-$VERSION"
+  JOBS="${JOBS:-2}"
+  NICE="${NICE:-19}"
+  TARGETS=(llama-bench llama-completion llama-quantize llama-debug)
+  REPO="$(cd "$(dirname "$0")/.." && pwd)"
+  PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+  [[ -x "$PYTHON" ]] || PYTHON=python3
 
-done_marker="$PREFIX/.complete"
-if [[ "${1:-}" == "--print" ]]; then
-  [[ -f "$done_marker" ]] && { echo "$PREFIX/bin"; exit 0; }
-  exit 1
-fi
-if [[ -f "$done_marker" ]]; then
-  echo "llama.cpp $VERSION already built: $PREFIX/bin"
-  exit 0
-fi
+  if [[ "${CI:-}" == "true" ]]; then
+    echo "build_llama_cpp.sh: refusing to run under CI (it is a multi-minute native build)" >&2
+    exit 2
+  fi
 
-for tool in cmake make cc c++; do
-  command -v "$tool" >/dev/null || { echo "build_llama_cpp.sh: '$tool' not found (apt-get install cmake build-essential)" >&2; exit 1; }
-done
+  done_marker="$PREFIX/.complete"
+  if [[ "${1:-}" == "--print" ]]; then
+    [[ -f "$done_marker" ]] && { echo "$PREFIX/bin"; exit 0; }
+    exit 1
+  fi
+  if [[ -f "$done_marker" ]]; then
+    echo "llama.cpp $VERSION already built: $PREFIX/bin"
+    exit 0
+  fi
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-echo "fetching llama-cpp-python==$VERSION sdist"
-"$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$work" \
-  "llama-cpp-python==$VERSION"
-tar xzf llama_cpp_python-"$VERSION".tar.gz
-src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
-[[ -f "$src/CMakeLists.txt" ]] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
+  for tool in cmake make cc c++; do
+    command -v "$tool" >/dev/null || { echo "build_llama_cpp.sh: '$tool' not found (apt-get install cmake build-essential)" >&2; exit 1; }
+  done
 
-echo "configuring (CPU only, static, Release, native ISA)"
-nice -n "$NICE" cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
-  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
-  -DLLAMA_USE_PREBUILT_UI=OFF >"$work/configure.log"
-echo "building ${TARGETS[*]} with -j$JOBS (several minutes)"
-start=$(date +%s)
-nice -n "$NICE" cmake --build "$work/build" --config Release -j "$JOBS" --target "${TARGETS[@]}" \
-  >"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+  work="$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")"
+  trap 'rm -rf "$work"' EXIT
+  cd "$work"
+  echo "fetching llama-cpp-python==$VERSION sdist"
+  "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$work" \
+    "llama-cpp-python==$VERSION"
+  tar xzf llama_cpp_python-"$VERSION".tar.gz
+  src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
+  [[ -f "$src/CMakeLists.txt" ]] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
 
-# Install atomically: stage next to the destination, then rename.
-mkdir -p "$CACHE"
-stage="$(mktemp -d "$CACHE/.llama.cpp-$VERSION.XXXXXX")"
-mkdir -p "$stage/bin"
-for t in "${TARGETS[@]}"; do cp "$work/build/bin/$t" "$stage/bin/"; done
-cp -r "$src" "$stage/src"
-"$stage/bin/llama-bench" --help >/dev/null 2>&1 || true
-(cd "$src" && git describe --tags 2>/dev/null || true) >"$stage/LLAMA_CPP_COMMIT"
-echo "$VERSION" >"$stage/.complete"
-rm -rf "$PREFIX"
-mv "$stage" "$PREFIX"
-echo "llama.cpp $VERSION ready: $PREFIX/bin"
+  echo "configuring (CPU only, static, Release, native ISA)"
+  nice -n "$NICE" cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF >"$work/configure.log"
+  echo "building ${TARGETS[*]} with -j$JOBS (several minutes)"
+  start=$(date +%s)
+  nice -n "$NICE" cmake --build "$work/build" --config Release -j "$JOBS" --target "${TARGETS[@]}" \
+    >"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
+  echo "built in $(( $(date +%s) - start )) s"
+
+  # Install atomically: stage next to the destination, then rename.
+  mkdir -p "$CACHE"
+  stage="$(mktemp -d "$CACHE/.llama.cpp-$VERSION.XXXXXX")"
+  mkdir -p "$stage/bin"
+  for t in "${TARGETS[@]}"; do cp "$work/build/bin/$t" "$stage/bin/"; done
+  cp -r "$src" "$stage/src"
+  "$stage/bin/llama-bench" --help >/dev/null 2>&1 || true
+  (cd "$src" && git describe --tags 2>/dev/null || true) >"$stage/LLAMA_CPP_COMMIT"
+  echo "$VERSION" >"$stage/.complete"
+  rm -rf "$PREFIX"
+  mv "$stage" "$PREFIX"
+  echo "llama.cpp $VERSION ready: $PREFIX/bin"
+}
+
+main "$@"
