@@ -1,11 +1,12 @@
 /* matmul.c — y[n, rows] = x[n, cols] @ W[rows, cols]^T for every storage type.
  *
- * Argument checks, ISA dispatch and OpenMP threading over chunks of weight rows. The inner loops are
+ * Argument checks, ISA dispatch and threading over chunks of weight rows (pool.c). The inner loops are
  * clb_mm_rows_ref (quant.c, scalar twin) and clb_mm_rows_avx2 / _avx512 (arch/).
  */
 #include <stdint.h>
 
 #include "colibri.h"
+#include "pool.h"
 #include "quant.h"
 
 clb_mm_rows_fn clb_mm_rows_for_isa(void) {
@@ -34,6 +35,23 @@ int64_t clb_chunk_rows(int64_t rows, int nt) {
     return ch < 16 ? 16 : ch;
 }
 
+struct mm_job {
+    clb_mm_rows_fn fn;
+    int qtype;
+    float *y;
+    const void *w;
+    const float *x;
+    int64_t rows, cols, n, rb, ch;
+};
+
+/* Chunk c = weight rows [c ch, min((c + 1) ch, rows)). */
+static void mm_chunk(void *ctx, int64_t c) {
+    const struct mm_job *j = ctx;
+    const int64_t r0 = c * j->ch, r1 = r0 + j->ch < j->rows ? r0 + j->ch : j->rows;
+    j->fn(j->qtype, j->y, j->rows, j->w, j->rb, j->x, j->cols, j->cols, j->n, r0, r1, NULL, NULL,
+          0);
+}
+
 int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows, int64_t cols,
                int64_t n, int nthreads) {
     const int64_t rb = clb_row_nbytes(qtype, cols);
@@ -48,9 +66,7 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows,
         fn(qtype, y, rows, w, rb, x, cols, cols, n, 0, rows, NULL, NULL, 0);
         return CLB_OK;
     }
-    const int64_t ch = clb_chunk_rows(rows, nt);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-    for (int64_t c = 0; c < rows; c += ch)
-        fn(qtype, y, rows, w, rb, x, cols, cols, n, c, c + ch < rows ? c + ch : rows, NULL, NULL, 0);
+    struct mm_job j = {fn, qtype, y, w, x, rows, cols, n, rb, clb_chunk_rows(rows, nt)};
+    clb_parallel_for((rows + j.ch - 1) / j.ch, mm_chunk, &j, nt);
     return CLB_OK;
 }
