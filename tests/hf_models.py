@@ -283,7 +283,7 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
 
     if not OLMOE_TOKENIZER.exists():
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
-    cls_name, extra = CONFIGS[model_type]
+    cls_name, extra = {**CONFIGS, **EXTRA_CONFIGS}[model_type]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, "vocab_size": 50304})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
