@@ -9,13 +9,15 @@
  * A sink (gpt-oss) is a logit with no value: it starts the recurrence as m = sink, l = 1, so it
  * enters the denominator only, exactly as HF's eager_attention_forward (softmax over
  * [scores, sink], sink column dropped). o accumulates directly in out: no scratch memory.
- * Tiles run in parallel with OpenMP (dynamic schedule: causal rows differ in length).
+ * Tiles run in parallel on the kernel pool (pool.c; claimed dynamically: causal rows differ
+ * in length).
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "colibri.h"
 #include "ops_internal.h"
+#include "pool.h"
 
 /* Element e of cache row (position j, kv head g) of a [n_ctx, n_kv_heads, d] cache. */
 static inline float kv_at(const void *cache, int f16, int64_t row, int64_t e) {
@@ -51,6 +53,27 @@ void ops_attn_tile_ref(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t
     }
 }
 
+struct attn_job {
+    const struct ops_attn *a;
+    int isa;
+    int64_t n_q, rblocks, chunks, rows, heads;
+};
+
+/* Tile t = (kv head g, chunk c of the group's heads, block r of rows), rows innermost so
+ * that consecutive tiles reuse one head's K/V rows from cache during prefill. */
+static void attn_tile(void *ctx, int64_t t) {
+    const struct attn_job *j = ctx;
+    const struct ops_attn *a = j->a;
+    const int64_t r = t % j->rblocks, c = t / j->rblocks % j->chunks;
+    const int64_t g = t / j->rblocks / j->chunks;
+    const int64_t i0 = r * j->rows, nr = j->n_q - i0 < j->rows ? j->n_q - i0 : j->rows;
+    const int64_t h0 = g * a->group + c * OPS_ATTN_HEADS;
+    const int64_t left = a->group - c * OPS_ATTN_HEADS, nh = left < j->heads ? left : j->heads;
+    if (j->isa == CLB_ISA_AVX512) ops_attn_tile_avx512(a, i0, nr, h0, nh);
+    else if (j->isa == CLB_ISA_AVX2) ops_attn_tile_avx2(a, i0, nr, h0, nh);
+    else ops_attn_tile_ref(a, i0, nr, h0, nh);
+}
+
 int clb_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                   int kv_f16, int64_t n_q, int64_t n_kv, int64_t q_pos0, int64_t n_heads,
                   int64_t n_kv_heads, int64_t dk, int64_t dv, float scale, int64_t window,
@@ -64,27 +87,15 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
         .q_pos0 = q_pos0, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
         .group = n_heads / n_kv_heads, .dk = dk, .dv = dv, .window = window, .scale = scale,
     };
-    /* tiles: (kv head g, chunk c of the group's heads, block r of rows), rows innermost so
-     * that consecutive tiles reuse one head's K/V rows from cache during prefill */
+    /* tiles: (kv head g, chunk c of the group's heads, block r of rows), see attn_tile */
     const int64_t chunks = (a.group + OPS_ATTN_HEADS - 1) / OPS_ATTN_HEADS;
     const int64_t heads = a.group < OPS_ATTN_HEADS ? a.group : OPS_ATTN_HEADS;
     const int64_t rows = OPS_ATTN_ENTRIES / heads, rblocks = (n_q + rows - 1) / rows;
-    const int64_t tiles = n_kv_heads * chunks * rblocks;
-    const int isa = clb_isa_get();
-    if (nthreads <= 0) nthreads = clb_default_threads();
-    /* threads pay off past ~100 us of work (~1M multiply-adds); below that the fork/join
-     * costs more, and on a busy machine waiting for a descheduled thread costs milliseconds */
+    const struct attn_job j = {&a, clb_isa_get(), n_q, rblocks, chunks, rows, heads};
+    /* threads pay off past ~100 us of work (~1M multiply-adds); below that waking them costs
+     * more than it saves */
     const int64_t ctx = window > 0 && window < q_pos0 + n_q ? window : q_pos0 + n_q;
-    const int par = nthreads > 1 && tiles > 1 && n_q * n_heads * ctx * (dk + dv) > 1000000;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (par)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r = t % rblocks, c = t / rblocks % chunks, g = t / rblocks / chunks;
-        const int64_t i0 = r * rows, nr = n_q - i0 < rows ? n_q - i0 : rows;
-        const int64_t h0 = g * a.group + c * OPS_ATTN_HEADS;
-        const int64_t left = a.group - c * OPS_ATTN_HEADS, nh = left < heads ? left : heads;
-        if (isa == CLB_ISA_AVX512) ops_attn_tile_avx512(&a, i0, nr, h0, nh);
-        else if (isa == CLB_ISA_AVX2) ops_attn_tile_avx2(&a, i0, nr, h0, nh);
-        else ops_attn_tile_ref(&a, i0, nr, h0, nh);
-    }
+    const int par = n_q * n_heads * ctx * (dk + dv) > 1000000;
+    clb_parallel_for(n_kv_heads * chunks * rblocks, attn_tile, (void *)&j, par ? nthreads : 1);
     return CLB_OK;
 }

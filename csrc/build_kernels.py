@@ -2,7 +2,8 @@
 
 The cdef is csrc/colibri.h itself; every csrc/*.c and csrc/arch/*.c file is compiled into
 `colibri._kernels`. SIMD files select their ISA with `#pragma GCC target`, so the library
-runs on any x86-64 and picks the level at run time (see clb_isa_detect).
+runs on any x86-64 and picks the level at run time (see clb_isa_detect). Threads: our own
+pool (csrc/pool.c), not OpenMP.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ ffibuilder.set_source(
     '#include "colibri.h"',
     sources=_sources(),
     include_dirs=[_rel(HERE)],
-    extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-Wall"],
-    extra_link_args=["-fopenmp", "-lm"],
+    extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fno-math-errno", "-Wall"],
+    extra_link_args=["-pthread", "-lm"],
 )
 
 if __name__ == "__main__":

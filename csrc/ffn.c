@@ -1,10 +1,10 @@
 /* ffn.c — the fused expert FFN, straight from an expert record's gate/up/down bytes.
  *
- * One OpenMP region per call: threads take chunks of d_ff rows and compute gate and up for
- * them (x stays in cache between the two) and the activation; after one barrier, chunks of
- * d_model rows of down, whose epilogue adds the bias, scales by the routing weight and
- * accumulates into y. Chunks are scheduled dynamically (see clb_chunk_rows). Inner loops: the
- * matmul rows kernels (quant.h).
+ * Two parallel loops per call (pool.c): threads take chunks of d_ff rows and compute gate and
+ * up for them (x stays in cache between the two) and the activation; when all are done,
+ * chunks of d_model rows of down, whose epilogue adds the bias, scales by the routing weight
+ * and accumulates into y. Chunks are claimed dynamically (see clb_chunk_rows). Inner loops:
+ * the matmul rows kernels (quant.h).
  *
  * scratch [n, 2 d_ff] f32: g = scratch[0 : n d_ff] as [n, d_ff], u = the rest; h overwrites g.
  */
@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "colibri.h"
+#include "pool.h"
 #include "quant.h"
 
 /* h = act(g, u) for columns [c0, c1) of n rows of stride ld. Formulas: colibri.h. */
@@ -37,6 +38,36 @@ static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0,
     }
 }
 
+struct ffn_job {
+    clb_mm_rows_fn fn;
+    int qtype, act, accumulate;
+    float alpha, limit;
+    float *y, *g, *u;  /* y [n, d_model]; g, u [n, d_ff] (h overwrites g) */
+    const float *x, *gate_bias, *up_bias, *down_bias, *row_weight;
+    const void *gate, *up, *down;
+    int64_t n, d_model, d_ff, rb_model, rb_ff, ch_ff, ch_model;
+};
+
+/* Chunk c of the first loop: d_ff rows [c ch_ff, ...) of gate and up, then the activation. */
+static void ffn_up_chunk(void *ctx, int64_t c) {
+    const struct ffn_job *j = ctx;
+    const int64_t f0 = c * j->ch_ff, f1 = f0 + j->ch_ff < j->d_ff ? f0 + j->ch_ff : j->d_ff;
+    j->fn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->x, j->d_model, j->d_model, j->n, f0,
+          f1, j->gate_bias, NULL, 0);
+    j->fn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->x, j->d_model, j->d_model, j->n, f0,
+          f1, j->up_bias, NULL, 0);
+    ffn_act(j->g, j->u, j->d_ff, j->n, f0, f1, j->act, j->alpha, j->limit);
+}
+
+/* Chunk c of the second loop: d_model rows [c ch_model, ...) of down. */
+static void ffn_down_chunk(void *ctx, int64_t c) {
+    const struct ffn_job *j = ctx;
+    const int64_t m0 = c * j->ch_model;
+    const int64_t m1 = m0 + j->ch_model < j->d_model ? m0 + j->ch_model : j->d_model;
+    j->fn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->g, j->d_ff, j->d_ff, j->n, m0, m1,
+          j->down_bias, j->row_weight, j->accumulate);
+}
+
 int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const void *gate,
                    const void *up, const void *down, const float *gate_bias,
                    const float *up_bias, const float *down_bias, const float *row_weight,
@@ -49,23 +80,16 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const vo
         return CLB_EINVAL;
     if (n == 0) return CLB_OK;
     if (!y || !scratch || !x || !gate || !up || !down) return CLB_EINVAL;
-    const clb_mm_rows_fn fn = clb_mm_rows_for_isa();
-    float *g = scratch, *u = scratch + n * d_ff;
     const int nt = clb_threads_for(nthreads, 3 * d_ff * rb_model * ((n + 3) / 4), d_ff);
-    const int64_t ch_ff = clb_chunk_rows(d_ff, nt), ch_model = clb_chunk_rows(d_model, nt);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t f0 = 0; f0 < d_ff; f0 += ch_ff) {
-            const int64_t f1 = f0 + ch_ff < d_ff ? f0 + ch_ff : d_ff;
-            fn(qtype, g, d_ff, gate, rb_model, x, d_model, d_model, n, f0, f1, gate_bias, NULL, 0);
-            fn(qtype, u, d_ff, up, rb_model, x, d_model, d_model, n, f0, f1, up_bias, NULL, 0);
-            ffn_act(g, u, d_ff, n, f0, f1, act, alpha, limit);
-        } /* implicit barrier: h complete */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t m0 = 0; m0 < d_model; m0 += ch_model)
-            fn(qtype, y, d_model, down, rb_ff, g, d_ff, d_ff, n, m0,
-               m0 + ch_model < d_model ? m0 + ch_model : d_model, down_bias, row_weight, accumulate);
-    }
+    const struct ffn_job j = {
+        .fn = clb_mm_rows_for_isa(), .qtype = qtype, .act = act, .accumulate = accumulate,
+        .alpha = alpha, .limit = limit, .y = y, .g = scratch, .u = scratch + n * d_ff, .x = x,
+        .gate_bias = gate_bias, .up_bias = up_bias, .down_bias = down_bias,
+        .row_weight = row_weight, .gate = gate, .up = up, .down = down, .n = n,
+        .d_model = d_model, .d_ff = d_ff, .rb_model = rb_model, .rb_ff = rb_ff,
+        .ch_ff = clb_chunk_rows(d_ff, nt), .ch_model = clb_chunk_rows(d_model, nt),
+    };
+    clb_parallel_for((d_ff + j.ch_ff - 1) / j.ch_ff, ffn_up_chunk, (void *)&j, nt);
+    clb_parallel_for((d_model + j.ch_model - 1) / j.ch_model, ffn_down_chunk, (void *)&j, nt);
     return CLB_OK;
 }

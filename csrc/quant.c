@@ -10,10 +10,29 @@
 #include <string.h>
 
 #include "colibri.h"
+#include "pool.h"
 #include "quant.h"
 
-/* Below this many elements quantize/dequantize stay on the calling thread. */
+/* Below this many elements quantize/dequantize stay on the calling thread; above, threads
+ * take chunks of QUANT_CHUNK elements (fixed, so the bytes never depend on the thread count). */
 #define QUANT_PAR_MIN (1 << 20)
+#define QUANT_CHUNK (1 << 18)
+
+/* One quantize or dequantize call: units are blocks, or elements for F16/BF16. */
+struct quant_job {
+    int qtype;
+    void *out;
+    const void *in;
+    int64_t nunits, per_chunk, block_nbytes;
+};
+
+/* Threads for n elements: the default above QUANT_PAR_MIN, else 1. Chunks: see QUANT_CHUNK. */
+static void quant_run(struct quant_job *j, int64_t n, clb_chunk_fn fn) {
+    const int per_elem = j->qtype == CLB_QTYPE_F16 || j->qtype == CLB_QTYPE_BF16;
+    j->per_chunk = per_elem ? QUANT_CHUNK : QUANT_CHUNK / QK;
+    clb_parallel_for((j->nunits + j->per_chunk - 1) / j->per_chunk, fn, j,
+                     n >= QUANT_PAR_MIN ? 0 : 1);
+}
 
 int clb_qtype_block(int qtype, int64_t *block_elems, int64_t *block_bytes) {
     int64_t e = QK, b;
@@ -87,6 +106,25 @@ static void quantize_q8_0(block_q8_0 *out, const float *x) {
     out->d = clb_f32_to_f16(d);
 }
 
+/* Units [c per_chunk, ...) of a quantize job. */
+static void quantize_chunk(void *ctx, int64_t c) {
+    const struct quant_job *j = ctx;
+    const float *x = j->in;
+    uint8_t *o = j->out;
+    const int64_t b0 = c * j->per_chunk;
+    const int64_t b1 = b0 + j->per_chunk < j->nunits ? b0 + j->per_chunk : j->nunits;
+    for (int64_t b = b0; b < b1; b++) {
+        uint16_t h;
+        switch (j->qtype) {
+        case CLB_QTYPE_F16: h = clb_f32_to_f16(x[b]); memcpy(o + 2 * b, &h, 2); break;
+        case CLB_QTYPE_BF16: h = clb_f32_to_bf16(x[b]); memcpy(o + 2 * b, &h, 2); break;
+        case CLB_QTYPE_Q4_0: quantize_q4_0((block_q4_0 *)o + b, x + b * QK); break;
+        case CLB_QTYPE_Q4_1: quantize_q4_1((block_q4_1 *)o + b, x + b * QK); break;
+        case CLB_QTYPE_Q8_0: quantize_q8_0((block_q8_0 *)o + b, x + b * QK); break;
+        }
+    }
+}
+
 int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t ncols) {
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
@@ -98,18 +136,9 @@ int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t nc
         return CLB_OK;
     }
     /* blocks (or elements) are independent: threads over them, same bytes for any count */
-    const int64_t nb = qtype == CLB_QTYPE_F16 || qtype == CLB_QTYPE_BF16 ? n : n / QK;
-#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
-    for (int64_t b = 0; b < nb; b++) {
-        uint16_t h;
-        switch (qtype) {
-        case CLB_QTYPE_F16: h = clb_f32_to_f16(x[b]); memcpy(o + 2 * b, &h, 2); break;
-        case CLB_QTYPE_BF16: h = clb_f32_to_bf16(x[b]); memcpy(o + 2 * b, &h, 2); break;
-        case CLB_QTYPE_Q4_0: quantize_q4_0((block_q4_0 *)o + b, x + b * QK); break;
-        case CLB_QTYPE_Q4_1: quantize_q4_1((block_q4_1 *)o + b, x + b * QK); break;
-        case CLB_QTYPE_Q8_0: quantize_q8_0((block_q8_0 *)o + b, x + b * QK); break;
-        }
-    }
+    const int per_elem = qtype == CLB_QTYPE_F16 || qtype == CLB_QTYPE_BF16;
+    struct quant_job j = {.qtype = qtype, .out = out, .in = x, .nunits = per_elem ? n : n / QK};
+    quant_run(&j, n, quantize_chunk);
     return CLB_OK;
 }
 
@@ -144,6 +173,20 @@ static inline void dequantize_block(int qtype, float *y, const uint8_t *blk) {
     }
 }
 
+/* Units [c per_chunk, ...) of a dequantize job. */
+static void dequantize_chunk(void *ctx, int64_t c) {
+    const struct quant_job *j = ctx;
+    const uint8_t *p = j->in;
+    float *out = j->out;
+    const int64_t b0 = c * j->per_chunk;
+    const int64_t b1 = b0 + j->per_chunk < j->nunits ? b0 + j->per_chunk : j->nunits;
+    for (int64_t b = b0; b < b1; b++) {
+        if (j->qtype == CLB_QTYPE_F16) out[b] = clb_f16_to_f32(clb_load_u16(p + 2 * b));
+        else if (j->qtype == CLB_QTYPE_BF16) out[b] = clb_bf16_to_f32(clb_load_u16(p + 2 * b));
+        else dequantize_block(j->qtype, out + b * QK, p + b * j->block_nbytes);
+    }
+}
+
 int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64_t ncols) {
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
@@ -156,16 +199,10 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
         memcpy(out, p, (size_t)n * 4);
         return CLB_OK;
     }
-    if (qtype == CLB_QTYPE_F16) {
-#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
-        for (int64_t i = 0; i < n; i++) out[i] = clb_f16_to_f32(clb_load_u16(p + 2 * i));
-    } else if (qtype == CLB_QTYPE_BF16) {
-#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
-        for (int64_t i = 0; i < n; i++) out[i] = clb_bf16_to_f32(clb_load_u16(p + 2 * i));
-    } else {
-#pragma omp parallel for schedule(static) if (n >= QUANT_PAR_MIN)
-        for (int64_t b = 0; b < n / QK; b++) dequantize_block(qtype, out + b * QK, p + b * bb);
-    }
+    const int per_elem = qtype == CLB_QTYPE_F16 || qtype == CLB_QTYPE_BF16;
+    struct quant_job j = {.qtype = qtype, .out = out, .in = data, .block_nbytes = bb,
+                          .nunits = per_elem ? n : n / QK};
+    quant_run(&j, n, dequantize_chunk);
     return CLB_OK;
 }
 

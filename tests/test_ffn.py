@@ -92,7 +92,7 @@ def test_ffn_matches_gpt_oss_experts(isa):
     assert _rel(y, want) <= FFN_TOL
 
 
-def test_ffn_threads_scratch_and_1d():
+def test_ffn_threads_scratch_and_1d(isa):
     rng = np.random.default_rng(5)
     (gate, up, down), wf = _expert(rng, ops.QType.Q4_0, 256, 512)
     x = rng.standard_normal(256).astype(np.float32)
@@ -100,10 +100,11 @@ def test_ffn_threads_scratch_and_1d():
     outs = [
         ops.expert_ffn(np.zeros(256, np.float32), x, gate, up, down, "q4_0", 256, 512,
                        scratch=scratch, nthreads=t)
-        for t in (1, 2, 3)
+        for t in (1, 2, 3, 0)
     ]  # fmt: skip
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[0], outs[3])
     assert _rel(outs[0], ref.expert_ffn(x[None], *wf)[0]) <= FFN_TOL
 
 

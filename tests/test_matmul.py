@@ -118,8 +118,9 @@ def test_avx512_emulated(tmp_path):
     exe = str(tmp_path / "harness")
     subprocess.run([*flags, "-c", str(src), "-o", str(tmp_path / "a.o")], check=True)
     srcs = [os.path.join(EMU, "harness.c"), os.path.join(CSRC, "quant.c")]
-    subprocess.run([*flags, *srcs, os.path.join(CSRC, "isa.c"), str(tmp_path / "a.o"), "-o", exe,
-                    "-lm"], check=True)  # fmt: skip
+    srcs += [os.path.join(CSRC, "pool.c"), os.path.join(CSRC, "isa.c")]
+    subprocess.run([*flags, *srcs, str(tmp_path / "a.o"), "-o", exe, "-lm", "-pthread"],
+                   check=True)  # fmt: skip
     res = subprocess.run([exe], capture_output=True, text=True)
     assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout
 
@@ -145,3 +146,95 @@ def test_default_threads_is_physical_cores():
             parts = [p.split("-") for p in f.read().strip().split(",")]
         per_core = sum(int(p[-1]) - int(p[0]) + 1 for p in parts)
     assert ops.default_threads() == max(1, os.sysconf("SC_NPROCESSORS_ONLN") // per_core)
+
+
+# ---- the kernel thread pool (csrc/pool.c) ---------------------------------------------------
+
+
+def _pool_workload(seed: int):
+    """A matvec and an expert FFN big enough to be threaded, with their 1-thread results."""
+    rng = np.random.default_rng(seed)
+    w, _ = random_weights(rng, ops.QType.Q4_0, 512, 1024)
+    shapes = ((256, 512), (256, 512), (512, 256))  # gate, up, down
+    gate, up, down = (random_weights(rng, ops.QType.Q8_0, *s)[0] for s in shapes)
+    x, xf = (
+        rng.standard_normal(1024).astype(np.float32),
+        rng.standard_normal(512).astype(np.float32),
+    )
+
+    def run(nthreads: int) -> tuple[np.ndarray, np.ndarray]:
+        y = ops.matmul(w, "q4_0", x, np.empty(512, np.float32), nthreads=nthreads)
+        f = ops.expert_ffn(np.zeros(512, np.float32), xf, gate, up, down, "q8_0", 512, 256,
+                           nthreads=nthreads)  # fmt: skip
+        return y, f
+
+    return run, run(1)
+
+
+def _same(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...]) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_pool_concurrent_python_threads():
+    """Kernels called from several Python threads at once (GIL released): one gets the pool,
+    the others run on their own thread; every result is bit-identical, nothing hangs."""
+    import threading
+
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        run, want = _pool_workload(seed)
+        for i in range(60):
+            got = run((0, 2, 1)[i % 3])
+            if not _same(got, want):
+                errors.append(f"thread {seed} iteration {i}: result differs from 1 thread")
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "kernel calls hung (pool deadlock?)"
+    assert errors == []
+
+
+def test_pool_is_persistent():
+    """Threaded calls reuse the same worker threads: the process's thread count is stable."""
+    if ops.default_threads() < 2:
+        pytest.skip("one physical core: kernels never start pool threads")
+    run, _ = _pool_workload(7)
+    run(0)
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(50):
+        run(0)
+    assert len(os.listdir("/proc/self/task")) == before
+
+
+def test_pool_in_forked_child():
+    """After fork() (pool threads exist in the parent only) the child gets a new pool:
+    threaded kernels there finish and give the 1-thread result."""
+    import time
+
+    run, want = _pool_workload(11)
+    run(0)  # the parent's pool exists before the fork
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery, just an exit code
+        code = 3
+        try:
+            ok = all(_same(run(n), want) for n in (0, 2) * 10)
+            # only the forking thread survives a fork: the rest must be the child's new pool
+            pool_ok = len(os.listdir("/proc/self/task")) == max(1, ops.default_threads())
+            code = 0 if ok and pool_ok else 1 if not ok else 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("threaded kernel in a forked child hung")
+    code = os.waitstatus_to_exitcode(done[1])
+    assert code != 4, "the child did not start its own pool threads"
+    assert code == 0, "the child's results differ from 1 thread"
+    assert _same(run(0), want)  # the parent's pool still works
