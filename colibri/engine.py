@@ -12,6 +12,7 @@ streams may run at once on one engine; they share the expert cache and the compu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -49,6 +50,19 @@ def available_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json: greedy unless do_sample is true, then
+    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
+    try:
+        cfg = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not cfg.get("do_sample"):
+        return {"temperature": 0.0}
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
 
 def default_budget(store: Store, dense_nbytes: int) -> int:
@@ -156,6 +170,7 @@ class Engine:
         if (store.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_dir(store.path)
         self.prefill_chunk = 256
+        self.generation_defaults = generation_defaults(store.path)
         self._closing = False
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
@@ -214,12 +229,14 @@ class Engine:
 
         sampling: SamplingParams fields (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed, logprobs, stop); temperature 0 is greedy.
+        Fields not given come from the model's generation_config.json (as transformers'
+        generate() does), else SamplingParams' defaults.
         Yields Token items; the last one carries finish_reason and statistics. Breaking out
         of the loop or cancelling the task stops generation and releases every expert
         record it held. Raises SamplingError (bad sampling values), TokenizerError, and
         ColibriError when the prompt does not fit in the context.
         """
-        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        params = SamplingParams(max_tokens=max_tokens, **{**self.generation_defaults, **sampling})
         t0 = time.perf_counter()
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]

@@ -91,13 +91,21 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate")
-    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 is greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument(
+        "--temperature",
+        "--temp",
+        type=float,
+        help="0 is greedy (default: the model's generation_config.json, else greedy)",
+    )
+    for flag, kind in (
+        ("--top-k", int),
+        ("--top-p", float),
+        ("--min-p", float),
+        ("--repetition-penalty", float),
+        ("--presence-penalty", float),
+        ("--frequency-penalty", float),
+    ):
+        g.add_argument(flag, type=kind, help="default: generation_config.json, else off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -139,7 +147,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+    """The sampling options given on the command line (the rest come from the model)."""
+    given = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -151,6 +160,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _model_path(args: argparse.Namespace) -> Path:
