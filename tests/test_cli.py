@@ -138,3 +138,12 @@ def test_run_and_chat_every_architecture(model_type, tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("generated tokens") == 2
+
+
+def test_run_without_a_model_uses_the_embedded_demo():
+    res = colibri("run", "-n", "24", "--seed", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("The for statement") and len(res.stdout) > 40
+    assert "24 generated tokens" in res.stderr
+    again = colibri("run", "-n", "24", "--seed", "0")
+    assert again.stdout == res.stdout  # same seed, same text
