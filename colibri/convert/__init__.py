@@ -17,17 +17,8 @@ import numpy as np
 
 from colibri.errors import ConversionError
 from colibri.io.format import BLOCK_QTYPES, QTYPES
+from colibri.registry import SUPPORTED as SUPPORTED_ARCHS  # noqa: F401 - used by hf.py
 
-SUPPORTED_ARCHS = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
