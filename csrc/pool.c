@@ -11,8 +11,9 @@
  * nobody: the worst case is the caller running every chunk (single-thread speed). Only a
  * worker preempted in the middle of a chunk is waited for, and it holds one chunk.
  *
- * Waking: the caller bumps the futex word `seq`; workers spin on it (pause) for about
- * SPIN_NS, then sleep in FUTEX_WAIT. `sleepers` tells the caller whether FUTEX_WAKE is needed.
+ * Waking: the caller bumps the futex word `seq`; workers spin on it (pause) for
+ * COLIBRI_SPIN_US microseconds (environment, default SPIN_US; 0 = sleep at once), then sleep
+ * in FUTEX_WAIT. `sleepers` tells the caller whether FUTEX_WAKE is needed.
  * A caller that finds the pool busy (another thread's job, or a nested call) runs its chunks
  * itself: no deadlock, no oversubscription. After fork() the child drops the parent's pool
  * (its threads do not exist there) and builds a new one on first use.
@@ -32,7 +33,7 @@
 #include "colibri.h"
 #include "pool.h"
 
-#define SPIN_NS 50000               /* how long an idle worker spins before it sleeps */
+#define SPIN_US 50  /* default for how long an idle worker spins before it sleeps */
 #define MAX_CHUNKS ((1 << 20) - 1)  /* n and next are 20-bit fields of the job word */
 #define MAX_THREADS 255             /* want is an 8-bit field */
 
@@ -49,6 +50,7 @@ struct pool {
     int nworkers;               /* threads besides the caller */
     _Atomic uint32_t seq;       /* futex word: bumped once per job */
     _Atomic int sleepers;       /* workers in (or entering) FUTEX_WAIT */
+    int64_t spin_ns;            /* COLIBRI_SPIN_US in ns */
 };
 
 struct worker {
@@ -104,7 +106,7 @@ static void *worker_main(void *arg) {
             if (i % 64 == 63) {  /* read the clock now and then, not every pause */
                 int64_t t = now_ns();
                 if (!t0) t0 = t;
-                else if (t - t0 > SPIN_NS) {
+                else if (t - t0 >= p->spin_ns) {
                     atomic_fetch_add(&p->sleepers, 1);
                     if (atomic_load(&p->seq) == seen) futex_wait(&p->seq, seen);
                     atomic_fetch_sub(&p->sleepers, 1);
@@ -142,6 +144,8 @@ static struct pool *pool_create(void) {
         free(ws);
         return NULL;
     }
+    const char *env = getenv("COLIBRI_SPIN_US");
+    p->spin_ns = (env && *env ? atol(env) : SPIN_US) * 1000;
     sigset_t all, old;  /* workers never take signals: Python handles them on its main thread */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
