@@ -12,8 +12,8 @@
  * worker preempted in the middle of a chunk is waited for, and it holds one chunk.
  *
  * Waking: the caller bumps the futex word `seq`; workers spin on it (pause) for
- * COLIBRI_SPIN_US microseconds (environment, default SPIN_US; 0 = sleep at once), then sleep
- * in FUTEX_WAIT. `sleepers` tells the caller whether FUTEX_WAKE is needed.
+ * COLIBRI_SPIN_US microseconds (environment, default SPIN_US; at least 128 pauses), then
+ * sleep in FUTEX_WAIT. `sleepers` tells the caller whether FUTEX_WAKE is needed.
  * A caller that finds the pool busy (another thread's job, or a nested call) runs its chunks
  * itself: no deadlock, no oversubscription. After fork() the child drops the parent's pool
  * (its threads do not exist there) and builds a new one on first use.
@@ -33,7 +33,11 @@
 #include "colibri.h"
 #include "pool.h"
 
-#define SPIN_US 50  /* default for how long an idle worker spins before it sleeps */
+/* Default COLIBRI_SPIN_US. Measured on the shared 2-core machine (demo model, interleaved
+ * runs): 50 us of spinning cost the engine ~30% tok/s (the spinning worker takes CPU from the
+ * engine's own threads) and did not speed up back-to-back kernels; so idle workers sleep after
+ * two checks of the clock (128 pauses, ~5 us). Raise it on a dedicated machine. */
+#define SPIN_US 0
 #define MAX_CHUNKS ((1 << 20) - 1)  /* n and next are 20-bit fields of the job word */
 #define MAX_THREADS 255             /* want is an 8-bit field */
 
