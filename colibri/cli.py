@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "_missing", False):
-        print(f"colibri: error: command {args.command!r} is not available in this build",
-              file=sys.stderr)
+        print(
+            f"colibri: error: command {args.command!r} is not available in this build",
+            file=sys.stderr,
+        )
         return 2
     try:
         return int(args._run(args) or 0)
