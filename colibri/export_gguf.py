@@ -149,9 +149,10 @@ def _add_hparams(w: Any, store: Store) -> None:
     w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
     if store.model_type == "mixtral":
         w.add_feed_forward_length(store.layout.d_ff)
-    else:  # qwen3moe: n_ff_exp from its own key; head_dim is free of n_embd / n_head
+    else:  # qwen3moe: the experts' n_ff has its own key
         w.add_feed_forward_length(int(_cfg(cfg, "intermediate_size", default=store.layout.d_ff)))
         w.add_expert_feed_forward_length(store.layout.d_ff)
+    if cfg.get("head_dim") is not None:  # may differ from n_embd / n_head (as the converter)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     ftype = {
