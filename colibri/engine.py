@@ -91,6 +91,25 @@ class EngineOptions:
     queue_depth: int = 32
     verify: bool = True
 
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ColibriError:
+            return ColibriError(f"option {field}={getattr(self, field)!r}: {why}")
+
+        if self.budget is not None and self.budget <= 0:
+            raise bad("budget", "must be a positive number of bytes")
+        if self.policy not in ("lru", "lfu", "lfru"):
+            raise bad("policy", "must be lru, lfu or lfru")
+        if self.io not in ("auto", "uring", "threads", "mmap"):
+            raise bad("io", "must be auto, uring, threads or mmap")
+        if self.threads < 0:
+            raise bad("threads", "must be >= 0 (0: one per physical core)")
+        if self.n_ctx < 1:
+            raise bad("n_ctx", "must be at least 1 token")
+        if self.kv_dtype not in ("f32", "f16"):
+            raise bad("kv_dtype", "must be f32 or f16")
+        if self.queue_depth < 1:
+            raise bad("queue_depth", "must be >= 1")
+
 
 @dataclass(frozen=True)
 class GenerationStatistics:
@@ -156,6 +175,13 @@ class Engine:
         if budget is None:
             budget = default_budget(store, self.model.dense_nbytes)
         record_nbytes = store.layout.record_nbytes
+        minimum = self.spec.moe.router.top_k * record_nbytes
+        if budget < minimum:
+            raise ColibriError(
+                f"expert cache budget {budget} bytes is too small: one layer's top-"
+                f"{self.spec.moe.router.top_k} needs {minimum} bytes "
+                f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
+            )
         self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
         self.reader = open_reader(
             store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth

@@ -182,26 +182,41 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n < (1 << 30) else f"{n / (1 << 30):.2f} GiB"
 
 
-def statistics_line(stats: GenerationStatistics, finish: str) -> str:
+def statistics_line(stats: GenerationStatistics, finish: str, io: str = "") -> str:
     rss, peak = resident_memory()
+    tok_s = f"{stats.decode_tok_s:.1f}" if stats.decode_tok_s >= 1 else f"{stats.decode_tok_s:.3f}"
     return (
         f"[{stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens, "
-        f"{finish}; TTFT {stats.ttft * 1000:.0f} ms; {stats.decode_tok_s:.1f} tok/s; "
+        f"{finish}; TTFT {stats.ttft * 1000:.0f} ms; {tok_s} tok/s; "
         f"hit rate {stats.hit_rate:.1%}; read {_mib(stats.bytes_read_per_token)}/token; "
-        f"RSS {_mib(rss)} (peak {_mib(peak)})]"
+        f"RSS {_mib(rss)} (peak {_mib(peak)}){'; io ' + io if io else ''}]"
     )
 
 
-async def _print_stream(engine: Engine, prompt: Any, sampling: dict[str, Any]) -> str:
-    """Stream one answer to stdout; returns its text. Ctrl-C (cancellation) ends it early."""
+async def _print_stream(
+    engine: Engine, prompt: Any, sampling: dict[str, Any], echo: str = ""
+) -> str:
+    """Stream one answer to stdout (after `echo`, printed once generation has started);
+    returns its text. Ctrl-C (cancellation) ends it early."""
     text = []
     async for tok in engine.stream(prompt, **sampling):
-        sys.stdout.write(tok.text)
+        sys.stdout.write(echo + tok.text)
+        echo = ""
         sys.stdout.flush()
         text.append(tok.text)
         if tok.statistics is not None:
-            print("\n" + statistics_line(tok.statistics, tok.finish_reason or ""), file=sys.stderr)
+            line = statistics_line(
+                tok.statistics, tok.finish_reason or "", engine.reader.statistics().backend
+            )
+            print("\n" + line, file=sys.stderr)
     return "".join(text)
+
+
+def _say_backend(engine: Engine, requested: str) -> None:
+    """One line on stderr when the reader is not the io_uring + O_DIRECT one asked for."""
+    st = engine.reader.statistics()
+    if (requested == "auto" and st.backend != "uring") or (st.backend != "mmap" and not st.direct):
+        print(f"colibri: reading experts with {st.backend}: {st.reason}", file=sys.stderr)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -210,9 +225,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     async with open_engine(path, **_engine_options(args)) as engine:
-        if isinstance(prompt, str):
-            sys.stdout.write(prompt)
-        await _print_stream(engine, prompt, _sampling(args))
+        _say_backend(engine, args.io)
+        echo = prompt if isinstance(prompt, str) else ""
+        await _print_stream(engine, prompt, _sampling(args), echo)
     return 0
 
 
@@ -226,6 +241,7 @@ async def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     loop = asyncio.get_running_loop()
     async with open_engine(_model_path(args), **_engine_options(args)) as engine:
+        _say_backend(engine, args.io)
         print(
             "colibri chat: empty line or Ctrl-D to quit, Ctrl-C stops an answer.", file=sys.stderr
         )

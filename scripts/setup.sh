@@ -31,6 +31,8 @@ fi
 stamp=".venv/.colibri-$want"
 if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml setup.py csrc -newer "$stamp" -print -quit)" ] \
    || ! ls colibri/_kernels*.so >/dev/null 2>&1; then
+  # in-place builds from scripts/dev-build (cpython-tagged) would shadow pip's abi3 modules
+  rm -f colibri/_kernels.cpython-*.so colibri/io/_uring.cpython-*.so
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
   extra=""
   [ "$want" = test ] && extra="[test]"

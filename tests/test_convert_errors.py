@@ -127,6 +127,20 @@ def test_existing_out_needs_force(mixtral, tmp_path):
         convert(mixtral[0], out, show_progress=False)
     assert (out / "keep").exists()
     assert main(["convert", str(mixtral[0]), str(out)]) == 1
+    # --force never deletes what is not a store (or an empty directory)
+    with pytest.raises(StoreError, match="not a colibri store"):
+        convert(mixtral[0], out, force=True, show_progress=False)
+    assert (out / "keep").exists()
+    (out / "keep").unlink()
+    assert main(["convert", str(mixtral[0]), str(out), "--force"]) == 0
     assert main(["convert", str(mixtral[0]), str(out), "--force", "--quant", "q8_0"]) == 0
     assert open_store(out).layout.qtype == "q8_0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_out_must_not_be_or_contain_src(mixtral, tmp_path):
+    src = copy_ckpt(mixtral[0], tmp_path / "ckpt")
+    for out in (src, tmp_path):
+        with pytest.raises(ConversionError, match="must not be SRC or a directory containing"):
+            convert(src, out, force=True, show_progress=False)
+    assert (src / "config.json").exists()

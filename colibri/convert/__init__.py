@@ -116,9 +116,12 @@ def convert(
     for what, q in (("--quant", quant), ("--dense-quant", dense_quant)):
         if q not in QTYPES:
             raise ConversionError(f"{what} {q!r} unknown (valid: {', '.join(QTYPES)})")
-    src = Path(src)
+    src, out = Path(src), Path(out)
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory")
+    s, o = src.resolve(), out.resolve()
+    if s == o or o in s.parents:
+        raise ConversionError(f"{out}: OUT must not be SRC or a directory containing it")
     if src.is_file():
         from colibri.convert.gguf import convert_gguf
 

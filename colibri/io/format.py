@@ -450,6 +450,21 @@ def open_store(path: str | os.PathLike[str]) -> Store:
     return Store(path, manifest)
 
 
+def _check_replaceable(out: Path) -> None:
+    """--force replaces only a colibri store or an empty directory, never anything else."""
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    try:
+        is_store = json.loads((out / MANIFEST).read_text()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        is_store = False
+    if not is_store:
+        raise StoreError(
+            f"{out}: exists and is not a colibri store; --force only replaces a store or an "
+            "empty directory (choose another OUT)"
+        )
+
+
 class StoreWriter:
     """Writes a store into a temporary directory `OUT.tmp-XXXX` next to `out`, renamed to
     `out` by `finish()`; any exception inside `with StoreWriter(...)` removes it again.
@@ -465,6 +480,8 @@ class StoreWriter:
         self.out = Path(out)
         if self.out.exists() and not force:
             raise StoreError(f"{self.out}: already exists (use --force to replace it)")
+        if self.out.exists():
+            _check_replaceable(self.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
         self.layout = layout
