@@ -12,7 +12,9 @@ Memory limits use a cgroup made for the benchmark's own child process: a child o
 process's cgroup (v2 `memory.max` if the memory controller is enabled there, else v1
 `memory.limit_in_bytes`), removed afterwards. Page cache is charged to the cgroup that first
 touches a page, so the GGUF's cached pages are dropped first (posix_fadvise DONTNEED), and
-llama.cpp's default mmap then has to live within the limit.
+llama.cpp's default mmap then has to live within the limit. Note: llama.cpp's CPU weight
+repacking (on by default for Q4_0 with AVX2) copies weights into anonymous memory, so a model
+larger than the limit is OOM-killed unless `extra=["--no-repack"]` keeps it on the mmap.
 """
 
 from __future__ import annotations
