@@ -90,6 +90,7 @@ class EngineOptions:
     kv_dtype: str = "f32"
     queue_depth: int = 32
     verify: bool = True
+    trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -191,6 +192,16 @@ class Engine:
         )
         self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
+        if options.trace:
+            from colibri.io.trace import RoutingTraceWriter
+
+            router = self.spec.moe.router
+            self.pipeline.tracer = RoutingTraceWriter(
+                len(self.spec.layers),
+                router.top_k,
+                router.num_experts,
+                meta={"model_type": self.spec.model_type, "source": str(store.path)},
+            )
         self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
         self.tokenizer: Tokenizer | None = None
         if (store.path / "tokenizer.json").exists():
@@ -353,6 +364,8 @@ class Engine:
         """Release the cache, the reader and the compute thread. Streams still running end
         with finish_reason "cancelled" at their next token."""
         self._closing = True
+        if self.pipeline.tracer is not None:
+            self.pipeline.tracer.save(self.options.trace)
         self.pipeline.close()
         await self.cache.aclose()
         await self.reader.aclose()

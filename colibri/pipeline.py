@@ -56,6 +56,8 @@ class Pipeline:
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="colibri-compute")
         self.times = StepTimes()
+        self.tracer: Any = None  # a RoutingTraceWriter: every token's choice per layer
+        self._traced = 0  # tokens recorded so far
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
 
     def close(self) -> None:
@@ -105,6 +107,9 @@ class Pipeline:
                 await self._run(self._dense_layer, i, x, kv, pos0)
                 continue
             h, ids, weights, predicted = await self._run(self._attention_and_route, i, x, kv, pos0)
+            if self.tracer is not None:
+                for t in range(n):
+                    self.tracer.record(self._traced + t, i, ids[t].tolist(), weights[t].tolist())
             experts = np.unique(ids).tolist()
             self.cache.request(i, experts)  # misses go to disk now, as one batch
             if self.prefetcher is not None and predicted is not None:
@@ -112,6 +117,7 @@ class Pipeline:
             await self._moe(i, x, h, ids, weights, experts)
             self.times.layers += 1
         kv.length = pos0 + n
+        self._traced += n
         return (await self._run(m.logits, x[-1:]))[0]
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:

@@ -80,6 +80,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help=f"context length in tokens (default {DEFAULT_N_CTX})",
     )
     g.add_argument(
+        "--trace",
+        metavar="FILE.npz",
+        help="record every token's expert choice per layer (for `colibri replay`)",
+    )
+    g.add_argument(
         "--kv",
         dest="kv_dtype",
         choices=("f32", "f16"),
@@ -143,6 +148,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         n_ctx=args.n_ctx,
         kv_dtype=args.kv_dtype,
+        trace=args.trace,
     )
 
 

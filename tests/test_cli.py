@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from colibri.convert import convert
@@ -147,3 +148,18 @@ def test_run_without_a_model_uses_the_embedded_demo():
     assert "24 generated tokens" in res.stderr
     again = colibri("run", "-n", "24", "--seed", "0")
     assert again.stdout == res.stdout  # same seed, same text
+
+
+def test_run_records_a_routing_trace_that_replay_reads(tmp_path):
+    trace = tmp_path / "t.npz"
+    res = colibri("run", "-n", "8", "--seed", "0", "--trace", str(trace))
+    assert res.returncode == 0, res.stderr
+    from colibri.io.trace import RoutingTrace
+
+    t = RoutingTrace.load(trace)
+    prompt_tokens = int(re.search(r"(\d+) prompt", res.stderr).group(1))
+    assert t.experts.shape == (prompt_tokens + 8 - 1, 4, 2)  # the last token is not run
+    assert ((t.experts >= 0) & (t.experts < 8)).all()
+    np.testing.assert_allclose(t.weights.sum(-1), 1.0, rtol=1e-5)  # Mixtral renormalises
+    res = colibri("replay", str(trace), "--offline", "--budget-records", "8")
+    assert res.returncode == 0 and "belady" in res.stdout, res.stderr
