@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,7 +35,6 @@ class StepTimes:
     wait_io: float = 0.0  # awaiting expert records that were not ready
     layers: int = 0
     experts: int = 0
-    per_layer_compute: list[float] = field(default_factory=list)
 
 
 class Pipeline:
@@ -129,14 +128,12 @@ class Pipeline:
 
     def _attention_and_route(
         self, i: int, x: np.ndarray, kv: KVCache, pos0: int
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, tuple[int, list[int]] | None]:
-        """Attention, FFN input, routing of layer i and the prediction for the next MoE
-        layer (one executor hop)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, list[int]] | None]:
+        """Attention, FFN input, routing of MoE layer i and the prediction for the next MoE
+        layer (one trip to the compute thread)."""
         m = self.model
         m.attention(i, x, kv, pos0)
         h = m.post_norm(i, x)
-        if not m.spec.layers[i].moe:
-            return h, None, None, None
         ids, weights = m.route(i, h)
         predicted = None
         if self.prefetcher is not None and self.prefetcher.enabled:
