@@ -33,9 +33,16 @@ if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml setup.py csrc -newer "$stamp
    || ! ls colibri/_kernels*.so >/dev/null 2>&1; then
   # in-place builds from scripts/dev-build (cpython-tagged) would shadow pip's abi3 modules
   rm -f colibri/_kernels.cpython-*.so colibri/io/_uring.cpython-*.so
-  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
   extra=""
   [ "$want" = test ] && extra="[test]"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$extra"
+  echo "colibri setup: installing colibri$extra into .venv (log: .venv/install.log)" >&2
+  # pip's and setuptools' chatter goes to the log; shown only if the install fails
+  if ! { .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip &&
+         .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$extra"; } \
+       > .venv/install.log 2>&1; then
+    grep -v "^WARNING: Location" .venv/install.log >&2
+    echo "colibri setup: pip install failed (full log: .venv/install.log)" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
