@@ -299,3 +299,29 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
         json.dumps({"eos_token": "<|endoftext|>", "chat_template": template})
     )
     return model
+
+
+def find_prompt(model: Any, seed: int, prompt_len: int, new_tokens: int, min_gap: float) -> Any:
+    """A random prompt of prompt_len ids whose run (prompt + new_tokens greedy tokens) has no
+    routing cut or argmax gap below min_gap (8 tries), else None."""
+    rng = np.random.default_rng(seed)
+    for _ in range(8):
+        ids = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
+        if choice_gap(model, ids + greedy(model, ids, new_tokens)) > min_gap:
+            return ids
+    return None
+
+
+async def engine_greedy(store: Path, ids: list[int], n: int, **options: Any) -> Any:
+    """colibri's n greedy tokens after ids, and the logits before each, f32 [n, vocab]."""
+    from colibri.engine import open_engine
+
+    async with open_engine(store, **options) as engine:
+        seq = engine.new_sequence()
+        logits = await engine.forward(seq, ids)
+        out, all_logits = [], []
+        for _ in range(n):
+            all_logits.append(logits)
+            out.append(int(np.argmax(logits)))
+            logits = await engine.forward(seq, [out[-1]])
+    return out, np.stack(all_logits)

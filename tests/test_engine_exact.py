@@ -20,27 +20,10 @@ QUANT_BOUNDS = {"q8_0": (5e-3, 0.90), "q4_0": (5e-2, 0.80)}
 
 
 def _prompt(model, seed: int) -> list[int] | None:
-    rng = np.random.default_rng(seed)
-    for _ in range(8):
-        ids = rng.integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
-        full = ids + hf_models.greedy(model, ids, NEW_TOKENS)
-        if hf_models.router_gap(model, full) > MIN_GAP:
-            return ids
-    return None
+    return hf_models.find_prompt(model, seed, PROMPT_LEN, NEW_TOKENS, MIN_GAP)
 
 
-async def _run(store, ids: list[int], n: int, **options) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and the logits before each of them, f32 [n, vocab]."""
-    async with open_engine(store, **options) as engine:
-        seq = engine.new_sequence()
-        logits = await engine.forward(seq, ids)
-        out, all_logits = [], []
-        for _ in range(n):
-            all_logits.append(logits)
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            logits = await engine.forward(seq, [tok])
-    return out, np.stack(all_logits)
+_run = hf_models.engine_greedy
 
 
 @pytest.fixture(scope="module", params=sorted(hf_models.CONFIGS))
