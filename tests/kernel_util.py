@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from colibri.compute import ops
 from colibri.compute.selfcheck import FFN_TOL, MATMUL_TOL, matmul_err  # named tolerances
@@ -11,27 +10,6 @@ from colibri.compute.selfcheck import FFN_TOL, MATMUL_TOL, matmul_err  # named t
 QUANT_TYPES = [ops.QType.Q4_0, ops.QType.Q4_1, ops.QType.Q8_0]
 FLOAT_TYPES = [ops.QType.F32, ops.QType.F16, ops.QType.BF16]
 ALL_TYPES = QUANT_TYPES + FLOAT_TYPES
-
-
-def _isa_param(level: ops.ISA):
-    reason = f"this CPU/build does not support {level.name} (best: {ops.best_isa().name})"
-    return pytest.param(
-        level,
-        id=level.name.lower(),
-        marks=pytest.mark.skipif(level > ops.best_isa(), reason=reason),
-    )
-
-
-ISA_PARAMS = [_isa_param(level) for level in ops.ISA]
-
-
-@pytest.fixture(params=ISA_PARAMS, name="isa")
-def isa_fixture(request):
-    """Run the test at one instruction-set level, restoring the previous level after."""
-    before = ops.isa()
-    ops.set_isa(request.param)
-    yield request.param
-    ops.set_isa(before)
 
 
 def random_weights(rng: np.random.Generator, qtype: ops.QType, rows: int, cols: int):

@@ -17,18 +17,6 @@ SIMD_VS_SCALAR_TOL = {"rtol": 1e-4, "atol": 2e-6}
 LARGE_LOGIT_TOL = {"rtol": 1e-3, "atol": 1e-3}
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def isa(request):
-    """Run the test at one ISA level; skip levels this CPU/build cannot run."""
-    level = ops.ISA[request.param.upper()]
-    if level > ops.best_isa():
-        pytest.skip(f"{request.param}: not supported by this CPU (best is {ops.best_isa().name})")
-    prev = ops.isa()
-    ops.set_isa(level)
-    yield level
-    ops.set_isa(prev)
-
-
 def make(rng, n_q, n_ctx, n_heads, n_kv_heads, dk, dv, dtype, sinks=False):
     q = rng.standard_normal((n_q, n_heads, dk)).astype(np.float32)
     k = rng.standard_normal((n_ctx, n_kv_heads, dk)).astype(dtype)

@@ -10,7 +10,6 @@ from colibri.errors import KernelError
 from tests.kernel_util import (
     ALL_TYPES,
     FFN_TOL,
-    isa_fixture,  # noqa: F401  (the `isa` fixture)
     random_weights,
 )
 

@@ -16,7 +16,6 @@ from tests.kernel_util import (
     ALL_TYPES,
     FLOAT_TYPES,
     MATMUL_TOL,
-    isa_fixture,  # noqa: F401  (the `isa` fixture)
     matmul_err,
     random_weights,
 )

@@ -18,18 +18,6 @@ ACT_TOL = {"rtol": 2e-6, "atol": 1e-6}  # |x| <= 100; atol covers tanhf's 1 + ta
 SIMD_VS_SCALAR_TOL = {"rtol": 2e-6, "atol": 1e-6}
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def isa(request):
-    """Run the test at one ISA level; skip levels this CPU/build cannot run."""
-    level = ops.ISA[request.param.upper()]
-    if level > ops.best_isa():
-        pytest.skip(f"{request.param}: not supported by this CPU (best is {ops.best_isa().name})")
-    prev = ops.isa()
-    ops.set_isa(level)
-    yield level
-    ops.set_isa(prev)
-
-
 def scalar(fn, *args):
     """fn(*args) computed by the scalar C twins (the level is restored afterwards)."""
     prev = ops.isa()
