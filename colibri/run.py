@@ -139,33 +139,27 @@ def configure_chat_parser(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
 
 
+ENGINE_OPTIONS = ("budget", "policy", "prefetch", "io", "threads", "n_ctx", "kv_dtype", "trace")
+SAMPLING_OPTIONS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        budget=args.budget,
-        policy=args.policy,
-        prefetch=args.prefetch,
-        io=args.io,
-        threads=args.threads,
-        n_ctx=args.n_ctx,
-        kv_dtype=args.kv_dtype,
-        trace=args.trace,
-    )
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS}
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling options given on the command line (the rest come from the model)."""
-    given = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    given = {k: getattr(args, k) for k in SAMPLING_OPTIONS} | {"stop": tuple(args.stop)}
     return {k: v for k, v in given.items() if v is not None}
 
 
