@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from colibri.errors import ColibriError
 
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports every command's module: Ctrl-C can land here
+    except KeyboardInterrupt:
+        print("\ncolibri: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -68,5 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ColibriError, OSError, ValueError) as exc:
         if args.debug:
             raise
+        if isinstance(exc, OSError) and exc.filename and exc.strerror:
+            exc = f"{exc.filename}: {exc.strerror}"  # not "[Errno 2] ..."
         print(f"colibri: error: {exc}", file=sys.stderr)
         return 1

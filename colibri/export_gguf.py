@@ -467,7 +467,9 @@ def export_gguf(
             from tqdm import tqdm
 
             total = sum(tensor_nbytes(t.qtype, t.shape) for t in plan)
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="gguf")
+            bar = tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="gguf", disable=None
+            )
         for t in plan:
             data = t.load()
             if data.nbytes != tensor_nbytes(t.qtype, t.shape):

@@ -84,7 +84,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.verify:
         from tqdm import tqdm
 
-        with tqdm(total=d["expert_bytes"], unit="B", unit_scale=True, desc="verify") as bar:
+        with tqdm(
+            total=d["expert_bytes"], unit="B", unit_scale=True, desc="verify", disable=None
+        ) as bar:
             store.verify_all(progress=bar.update)
         print(f"checksums      all {len(store.records)} records verified (xxh3_64)")
     else:

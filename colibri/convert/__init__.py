@@ -96,7 +96,9 @@ def progress(total_bytes: int, desc: str):
     """A tqdm bar counting bytes of source tensors processed (tensors shown as postfix)."""
     from tqdm import tqdm
 
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    return tqdm(
+        total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None
+    )
 
 
 def convert(
