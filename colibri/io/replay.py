@@ -94,23 +94,24 @@ class SyntheticStore:
 
 
 # ---- offline ---------------------------------------------------------------------------
-def simulate(steps: list[Step], capacity: int, policy: str) -> tuple[int, int]:
+def simulate(steps: list[Step], capacity: int, policy: str, start: int = 0) -> tuple[int, int]:
     """(hits, misses) of `policy` ("lru" | "lfu" | "lfru" | "belady") with `capacity` records,
-    the current layer's experts protected from eviction."""
+    the current layer's experts protected from eviction. Only steps[start:] are counted (the
+    earlier ones warm the cache, as replay's warmup_tokens)."""
     if policy == "belady":
-        return _simulate_belady(steps, capacity)
+        return _simulate_belady(steps, capacity, start)
     pol = make_policy(policy, capacity)
     resident: set = set()
     hits = misses = 0
-    for _, layer, experts in steps:
+    for i, (_, layer, experts) in enumerate(steps):
         now = {(layer, e) for e in experts}
         for e in experts:
             key = (layer, e)
             pol.access(key)
             if key in resident:
-                hits += 1
+                hits += i >= start
                 continue
-            misses += 1
+            misses += i >= start
             if len(resident) >= capacity:
                 victim = pol.victim(lambda k, now=now: k in now)
                 pol.remove(victim)
@@ -120,7 +121,7 @@ def simulate(steps: list[Step], capacity: int, policy: str) -> tuple[int, int]:
     return hits, misses
 
 
-def _simulate_belady(steps: list[Step], capacity: int) -> tuple[int, int]:
+def _simulate_belady(steps: list[Step], capacity: int, start: int = 0) -> tuple[int, int]:
     seq = [((layer, e), i) for i, (_, layer, experts) in enumerate(steps) for e in experts]
     nxt = [0] * len(seq)
     last: dict = {}
@@ -132,9 +133,9 @@ def _simulate_belady(steps: list[Step], capacity: int) -> tuple[int, int]:
     hits = misses = 0
     for j, (key, step) in enumerate(seq):
         if key in resident:
-            hits += 1
+            hits += step >= start
         else:
-            misses += 1
+            misses += step >= start
             if len(resident) >= capacity:
                 now = {(steps[step][1], e) for e in steps[step][2]}
                 skipped = []
@@ -197,9 +198,12 @@ async def replay(
     queue_depth: int = 32,
     verify: bool | str = "once",
     max_tokens: int | None = None,
+    warmup_tokens: int = 0,
 ) -> ReplayResult:
     """Replay `trace` through a real reader + ExpertCache over `store` (see module docstring).
-    prefetch: "none" | "oracle" | "repeat". Returns a ReplayResult."""
+    prefetch: "none" | "oracle" | "repeat". warmup_tokens: the first tokens (of max_tokens)
+    fill the cache untimed and uncounted: tokens, seconds, hit_rate and bytes_read cover the
+    rest (the `cache` / `prefetch` statistics stay cumulative). Returns a ReplayResult."""
     nbytes = int(store.layout.record_nbytes)
     num_slots = ExpertCache.slots_for_budget(budget_nbytes, nbytes)
     if num_slots < trace.top_k:
@@ -216,9 +220,13 @@ async def replay(
     pf = Prefetcher(cache) if prefetch != "none" else None
     ex = trace.experts
     num_tokens = trace.num_tokens if max_tokens is None else min(max_tokens, trace.num_tokens)
-    t0 = time.perf_counter()
+    if not 0 <= warmup_tokens < num_tokens:
+        raise ValueError(f"warmup_tokens {warmup_tokens} must be in [0, {num_tokens})")
+    t0, base = time.perf_counter(), None
     try:
         for t in range(num_tokens):
+            if t == warmup_tokens and warmup_tokens:
+                t0, base = time.perf_counter(), cache.statistics()
             if pf is not None:
                 pf.new_token()
             for layer in range(trace.num_layers):
@@ -240,13 +248,17 @@ async def replay(
     finally:
         await cache.aclose()
         await reader.aclose()
+    hits, misses, nread = cstats.hits, cstats.misses, cstats.bytes_read
+    if base is not None:
+        hits, misses, nread = hits - base.hits, misses - base.misses, nread - base.bytes_read
+    measured = num_tokens - warmup_tokens
     result = ReplayResult(
-        num_tokens,
+        measured,
         seconds,
-        num_tokens / seconds,
-        cstats.hit_rate,
-        cstats.bytes_read,
-        cstats.bytes_read / seconds / 1e9,
+        measured / seconds,
+        hits / (hits + misses) if hits + misses else 1.0,
+        nread,
+        nread / seconds / 1e9,
         cstats,
         reader.statistics(),
         pf.statistics() if pf else None,
