@@ -1,0 +1,246 @@
+"""`colibri bench` section "kernels": matvec / batch-8 matmul per weight format against the
+memory bandwidth from the limits section, and the latency of one small expert FFN call.
+
+Weights bigger than the L3 cache (quick 64 MiB, full 128 MiB per format, 4096 columns) are read
+once per call, so matvec GB/s of weights / memory GB/s says how close a kernel runs to memory
+speed. The functions come from bench/kernels.py (make_weights, best_time_cpu, latency_us).
+
+The Q8_0-activation integer-dot path (llama.cpp's CPU path) gets its own rows whenever
+colibri.compute.ops exposes it: `ops.matmul_q8` with `ops.quantize_act` and `ops.Q8_ACT_TYPES`
+(probed by `q8_act_matmul`), and `expert_ffn(..., act_q8=True)` (probed by `q8_act_ffn`); the
+activation quantization is inside the timed call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench import kernels as bench_kernels
+from bench import sec_limits
+from bench.report import Context, Headline, Section, fmt, interleave, median, table
+from colibri.compute import ops
+
+TITLE = "Kernels vs memory bandwidth"
+
+FORMATS = ("q4_0", "q8_0", "f16", "f32")
+COLS = 4096
+BATCH = 8
+REPEAT = 3  # calls per round (best taken, after a warm-up); medians over rounds are reported
+FFN_SHAPE = (2048, 768)  # Qwen3-30B-A3B expert: hidden_size, moe_intermediate_size
+TARGET = 0.6  # Q4_0 matvec at >= 60% of the memory bandwidth
+
+
+def q8_act_matmul() -> bool:
+    """True when ops exposes the Q8_0-activation matmul (matmul_q8, quantize_act,
+    Q8_ACT_TYPES) and the built kernel library has clb_matmul_q8."""
+    names = ("matmul_q8", "quantize_act", "Q8_ACT_TYPES")
+    return all(hasattr(ops, n) for n in names) and hasattr(ops.lib, "clb_matmul_q8")
+
+
+def q8_act_ffn() -> bool:
+    """True when ops.expert_ffn takes act_q8= (Q8_0 activations inside the fused FFN)."""
+    return q8_act_matmul() and "act_q8" in inspect.signature(ops.expert_ffn).parameters
+
+
+def weight_mib(quick: bool) -> int:
+    """MiB of weights per format: bigger than any L3 cache here."""
+    return 64 if quick else 128
+
+
+def _acts(qt: ops.QType, have_q8: bool) -> tuple[str, ...]:
+    return ("f32", "q8_0") if have_q8 and qt in ops.Q8_ACT_TYPES else ("f32",)
+
+
+def _matmul_runner(
+    w: np.ndarray, qt: ops.QType, n: int, act: str, t: int, rng: np.random.Generator
+) -> Callable[[], tuple[float, float]]:
+    """A callable timing one (format, activation type, n, threads) point: (wall, CPU) seconds
+    of the best of REPEAT calls after a warm-up (bench/kernels.py best_time_cpu)."""
+    rows = w.shape[0]
+    x = rng.standard_normal((n, COLS)).astype(np.float32)
+    y = np.empty((n, rows), np.float32)
+    if act == "f32":
+        call = lambda: ops.matmul(w, qt, x, y, nthreads=t)  # noqa: E731
+    else:
+        xq = np.empty((n, ops.row_nbytes(ops.QType.Q8_0, COLS)), np.uint8)
+        call = lambda: ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: E731
+    return lambda: bench_kernels.best_time_cpu(call, REPEAT)
+
+
+def _ffn_runner(qt: str, q8: bool, t: int, rng: np.random.Generator, repeat: int) -> Callable:
+    """Median microseconds per expert_ffn call (n = 1 token, Qwen3-30B-A3B expert shape)."""
+    d_model, d_ff = FFN_SHAPE
+    q = ops.QType.parse(qt)
+    gate, up = (bench_kernels.make_weights(q, d_ff, d_model, rng) for _ in range(2))
+    down = bench_kernels.make_weights(q, d_model, d_ff, rng)
+    x = rng.standard_normal(d_model).astype(np.float32)
+    y, scratch = np.zeros_like(x), np.empty(2 * d_ff, np.float32)
+    extra = {"act_q8": True} if q8 else {}
+    call = lambda: ops.expert_ffn(y, x, gate, up, down, q, d_model, d_ff, scratch=scratch,  # noqa: E731
+                                  nthreads=t, **extra)  # fmt: skip
+    return lambda: bench_kernels.latency_us(call, repeat)[0]
+
+
+def _label(qt: str, act: str) -> str:
+    return qt.upper() + ("" if act == "f32" else " (q8_0 act)")
+
+
+def _plot(ctx: Context, rows: list[dict[str, Any]], threads: list[int]) -> str:
+    import matplotlib.pyplot as plt
+
+    mv = [r for r in rows if r["n"] == 1]
+    mm = [r for r in rows if r["n"] == BATCH]
+    labels = list(dict.fromkeys(_label(r["qtype"], r["act"]) for r in mv))
+    fig, (ax, axb) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(threads)
+    xs = np.arange(len(labels))
+    for i, t in enumerate(threads):
+        for a, data, key, scale in ((ax, mv, "of_mem", 100), (axb, mm, "gflops", 1)):
+            vals = [next((r[key] * scale for r in data if r["threads"] == t and
+                          _label(r["qtype"], r["act"]) == lab), 0) for lab in labels]  # fmt: skip
+            bars = a.bar(xs + (i - (len(threads) - 1) / 2) * width, vals, width,
+                         label=f"{t} thread{'s' * (t > 1)}")  # fmt: skip
+            a.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.axhline(100, ls="--", color="k", lw=1, label="memory bandwidth (numpy copy)")
+    ax.axhline(TARGET * 100, ls=":", color="gray", lw=1, label=f"target {TARGET:.0%} (Q4_0)")
+    ax.set_ylim(0, max([115.0] + [r["of_mem"] * 115 for r in mv]))
+    ax.set_ylabel("% of memory bandwidth (same thread count)")
+    ax.set_title(f"Matvec, {weight_mib(ctx.quick)} MiB of weights: weight GB/s vs memory GB/s")
+    axb.set_ylabel("GFLOP/s")
+    axb.set_title(f"Batch-{BATCH} matmul")
+    for a in (ax, axb):
+        a.set_xticks(xs, labels, rotation=20, fontsize=8)
+        a.grid(axis="y", alpha=0.3)
+        a.legend(fontsize=8, loc="upper right", ncol=2)
+    fig.tight_layout()
+    name = "kernels_membw.png"
+    fig.savefig(ctx.figure(name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+def run(ctx: Context) -> Section:
+    """Measure matvec / batch-8 matmul per format and threads, interleaved, against the memory
+    bandwidth (bench.sec_limits.memory_gbps), and the expert-FFN call latency."""
+    mem = sec_limits.memory_gbps(ctx)
+    mem_1t = float(ctx.results["limits"]["mem_gbps_1t"])
+    bw = {1: mem_1t, ctx.threads: mem}
+    threads = sorted({1, ctx.threads})
+    have_q8, have_q8_ffn = q8_act_matmul(), q8_act_ffn()
+    rng = np.random.default_rng(0)
+    mib = weight_mib(ctx.quick)
+    weights = {}
+    for name in FORMATS:
+        qt = ops.QType.parse(name)
+        nrows = (mib << 20) // ops.row_nbytes(qt, COLS)
+        weights[name] = bench_kernels.make_weights(qt, nrows, COLS, rng)
+    points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f), have_q8)
+              for n in (1, BATCH) for t in threads]  # fmt: skip
+    runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng)
+               for p in points}  # fmt: skip
+    cpu: dict[tuple, list[float]] = {p: [] for p in points}
+
+    def wall(p: tuple) -> Callable[[], float]:
+        def f() -> float:
+            s, c = runners[p]()
+            cpu[p].append(c / s / p[3])
+            return s
+
+        return f
+
+    ctx.log(f"kernels: {len(points)} matmul points x {ctx.rounds} rounds, {mib} MiB weights"
+            f"{', q8_0-activation path present' if have_q8 else ''}")  # fmt: skip
+    res = interleave({p: wall(p) for p in points}, ctx.rounds)
+    rows: list[dict[str, Any]] = []
+    for (f, a, n, t), secs in res.items():
+        s, w = median(secs), weights[f]
+        gbs = w.nbytes / s / 1e9
+        rows.append({"qtype": f, "act": a, "n": n, "threads": t, "ms": s * 1e3, "gbps": gbs,
+                     "of_mem": gbs / bw[t], "gflops": 2 * n * w.shape[0] * COLS / s / 1e9,
+                     "cpu_share": median(cpu[(f, a, n, t)]), "runs_s": secs})  # fmt: skip
+    del weights
+
+    ffn_points = [(q, q8, t) for q in ("q4_0", "q8_0") for q8 in ((False, True) if have_q8_ffn
+                  else (False,)) for t in threads]  # fmt: skip
+    reps = 200 if ctx.quick else 500
+    ffn_res = interleave({p: _ffn_runner(*p, rng, reps) for p in ffn_points}, ctx.rounds)
+    ffn = [{"qtype": q, "act": "q8_0" if q8 else "f32", "threads": t, "us": median(v), "runs_us": v}
+           for (q, q8, t), v in ffn_res.items()]  # fmt: skip
+
+    # ---- report ----
+    d_model, d_ff = FFN_SHAPE
+    md = [
+        f"Matvec (n = 1) and batch-{BATCH} matmul through `ops.matmul` on {mib} MiB of random "
+        f"weights per format ([rows, {COLS}], bigger than L3, each byte read once per call); "
+        f"f32 activations"
+        + (
+            ", and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization of x included)"
+            if have_q8
+            else ""
+        )
+        + f". Time per point: best of {REPEAT} calls after a warm-up, median over "
+        f"{ctx.rounds} interleaved rounds. *of mem* = weight GB/s / memory GB/s (numpy copy, "
+        f"read + write, same thread count: {fmt(mem_1t)} GB/s at 1 thread, {fmt(mem)} GB/s at "
+        f"{ctx.threads}). *cpu* = process CPU time / (wall x threads): below 100% the machine "
+        "was busy with other work.",
+    ]
+    if not have_q8:
+        md += ["", "_The Q8_0-activation path (`ops.matmul_q8`) is not in this build: f32 "
+               "activations only._"]  # fmt: skip
+    by = {(r["qtype"], r["act"], r["n"], r["threads"]): r for r in rows}
+    trows = []
+    for f in FORMATS:
+        for a in _acts(ops.QType.parse(f), have_q8):
+            for t in threads:
+                r1, r8 = by[(f, a, 1, t)], by[(f, a, BATCH, t)]
+                trows.append([f.upper(), a, t, r1["ms"], r1["gbps"], f"{r1['of_mem']:.0%}",
+                              f"{r1['cpu_share']:.0%}", r8["gflops"]])  # fmt: skip
+    md += ["", table(["weights", "activations", "threads", "matvec ms", "weight GB/s",
+                      "of mem", "cpu", f"batch-{BATCH} GFLOP/s"], trows)]  # fmt: skip
+
+    q4 = [r for r in rows if r["qtype"] == "q4_0" and r["n"] == 1 and r["threads"] == ctx.threads]
+    best = max(q4, key=lambda r: r["gbps"])
+    if best["of_mem"] < TARGET:
+        one = max((r for r in rows if r["qtype"] == "q4_0" and r["n"] == 1 and r["threads"] == 1),
+                  key=lambda r: r["gbps"])  # fmt: skip
+        scale = best["gbps"] / one["gbps"]
+        md += ["", f"Q4_0 matvec reaches {best['of_mem']:.0%} of the memory bandwidth at "
+               f"{ctx.threads} threads (target {TARGET:.0%}). Where the time goes: one core "
+               f"decodes {one['gbps']:.2f} GB/s of Q4_0 ({one['of_mem']:.0%} of a 1-thread copy), "
+               f"and {ctx.threads} threads give {scale:.2f}x that"
+               + (" — nearly linear, so unpacking nibbles and the FMAs per byte (compute), not "
+                  "DRAM, bound it" if scale > 0.8 * ctx.threads else
+                  " — less than linear: the other threads lose time to other processes on this "
+                  f"shared machine (CPU share {best['cpu_share']:.0%}) or to memory")
+               + "."]  # fmt: skip
+
+    busy = [r for r in rows if r["cpu_share"] < 0.8]
+    if busy:
+        worst = min(r["cpu_share"] for r in busy)
+        md += ["", f"{len(busy)} of {len(rows)} points got less than 80% of their threads' CPU "
+               f"time (down to {worst:.0%}): other work on this shared machine took the rest, "
+               "so those GB/s understate the kernels."]  # fmt: skip
+
+    frows = [[r["qtype"].upper(), r["act"], r["threads"], r["us"]] for r in ffn]
+    wbytes = 3 * d_model * d_ff
+    md += ["", f"Small-call latency: one `ops.expert_ffn` call on one token, Qwen3-30B-A3B "
+           f"expert shape (gate/up [{d_ff}, {d_model}], down [{d_model}, {d_ff}], "
+           f"{wbytes / 1e6:.1f} M weights, cache-resident after the first call), median µs over "
+           f"{reps} back-to-back calls, median of {ctx.rounds} rounds (the engine makes ~8 such "
+           "calls per layer per token).", "",
+           table(["weights", "activations", "threads", "µs per call"], frows)]  # fmt: skip
+
+    heads = [Headline(
+        scenario="Q4_0 matvec", unit="GB/s", value=best["gbps"], limit=mem,
+        limit_name=f"memory bandwidth, {ctx.threads} threads (numpy copy)", target="≥ 60%",
+        note=f"{mib} MiB weights, {best['act']} activations, {ctx.threads} threads",
+    )]  # fmt: skip
+    data = {"weight_mib": mib, "cols": COLS, "mem_gbps": mem, "mem_gbps_1t": mem_1t,
+            "q8_act_matmul": have_q8, "q8_act_ffn": have_q8_ffn, "matmul": rows,
+            "expert_ffn": ffn, "ffn_shape": list(FFN_SHAPE)}  # fmt: skip
+    return Section(key="kernels", title=TITLE, markdown="\n".join(md), data=data,
+                   figures=[_plot(ctx, rows, threads)], headlines=heads)  # fmt: skip
