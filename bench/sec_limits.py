@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import math
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from bench import io as bench_io
 from bench import kernels as bench_kernels
 from bench.report import Context, Headline, Section, fmt, interleave, median, table
 from colibri.io.format import ExpertLayout
+from colibri.io.slab import SlabPool
 
 TITLE = "Disk and memory limits"
 
@@ -40,7 +42,7 @@ QDS = (1, 2, 4, 8, 16, 32, 64)
 READER_QDS = (1, 8, 32)
 HEADLINE_QD = 32
 MEM_NBYTES = 256 << 20  # copied per run (split over the threads), far beyond L3
-MEM_REPEAT = 3  # copies per round (best taken); the report quotes the median over rounds
+MEM_REPEAT = 5  # copies per round (best taken); the report quotes the median over rounds
 MIN_ROUNDS = 3  # this shared disk varies 2-3x run to run: never fewer rounds than this
 HEADROOM = 2 << 30  # free space left on the disk after writing the fio file
 
@@ -89,14 +91,20 @@ def fio_gbps(ctx: Context, path: Path, rec: int, qd: int, total: int, seed: int)
         return bench_io.run_fio(str(path), rec, qd, total, path.stat().st_size, seed)
 
 
-def reader_gbps(path: Path, rec: int, qd: int, total: int, seed: int) -> float:
+def reader_gbps(
+    path: Path, rec: int, qd: int, total: int, seed: int, backing: str = "auto"
+) -> float:
     """GB/s of colibri's UringReader reading total // rec distinct random records of `rec` bytes
-    with `qd` reads in flight (each record at most once, like fio's random map)."""
+    with `qd` reads in flight (each record at most once, like fio's random map), into a SlabPool
+    with the given backing ("auto": huge pages when it can; "normal": 4 KiB pages, like fio's
+    buffers)."""
     num_records = path.stat().st_size // rec
     num_reads = min(num_records, max(qd, total // rec))
     rng = np.random.default_rng(seed)
     offsets = [int(i) * rec for i in rng.permutation(num_records)[:num_reads]]
-    gbs, _stats = asyncio.run(bench_io.run_reader(str(path), "uring", rec, qd, offsets))
+    pool = functools.partial(SlabPool, backing=backing)
+    with mock.patch.object(bench_io, "SlabPool", pool):
+        gbs, _stats = asyncio.run(bench_io.run_reader(str(path), "uring", rec, qd, offsets))
     return gbs
 
 
@@ -148,16 +156,22 @@ def _limits(ctx: Context) -> dict[str, Any]:
 
 
 def disk_gbps(ctx: Context, record_nbytes: int, qd: int) -> float:
-    """The disk's random-read limit (fio, io_uring, O_DIRECT) in GB/s for records of
-    `record_nbytes` bytes with `qd` reads in flight: from the limits section's sweep (nearest
-    record size within 2x, interpolated in log2 QD; records > 4 MiB via `lookup_point`), else
+    """The disk's random-read limit (io_uring, O_DIRECT) in GB/s for records of `record_nbytes`
+    bytes with `qd` reads in flight: from the limits section's sweep (nearest record size within
+    2x, interpolated in log2 QD; records > 4 MiB via `lookup_point`), at each point the higher
+    of fio and UringReader (on a disk that splits reads at 4 KiB-page segments, colibri's
+    huge-page slab reads faster than fio: the bound must not be below what was reached); else
     measured now with fio (median of >= 3 runs) and remembered in ctx.results["limits"]["disk"].
     Raises RuntimeError when it must measure and the disk has no room for the file."""
     rec, q = lookup_point(record_nbytes, qd)
     disk = _limits(ctx).setdefault("disk", [])
+    best: dict[tuple[int, int], float] = {}
+    for d in disk + _limits(ctx).get("reader", []):
+        key = (d["record_nbytes"], d["qd"])
+        best[key] = max(best.get(key, 0.0), d["gbps"])
     near = nearest_record(disk, rec)
     if near is not None:
-        pts = {d["qd"]: d["gbps"] for d in disk if d["record_nbytes"] == near}
+        pts = {q_: g for (r_, q_), g in best.items() if r_ == near}
         if min(pts) <= q <= max(pts) or q in pts:
             return interpolate_qd(pts, q)
     rec = max(4096, rec // 4096 * 4096)
@@ -178,9 +192,11 @@ def _measure_memory(ctx: Context) -> dict[str, Any]:
     copy = bench_kernels.copy_bandwidth
     runs = {f"{t}t": (lambda t=t: copy(MEM_NBYTES, t, MEM_REPEAT)) for t in threads}
     res = interleave(runs, max(MIN_ROUNDS, ctx.rounds), ctx.log)
+    one, all_ = median(res["1t"]), median(res[f"{ctx.threads}t"])
     return {
-        "mem_gbps": median(res[f"{ctx.threads}t"]),
-        "mem_gbps_1t": median(res["1t"]),
+        "mem_gbps": max(one, all_),  # N threads can always do what one does
+        "mem_gbps_1t": one,
+        "mem_gbps_nt_measured": all_,
         "mem_runs": res,
         "mem_copy_nbytes": MEM_NBYTES,
     }
@@ -195,7 +211,8 @@ def memory_gbps(ctx: Context) -> float:
     return float(lim["mem_gbps"])
 
 
-def _plot(ctx: Context, disk: list[dict], reader: list[dict], mem: dict[str, Any]) -> str:
+def _plot(ctx: Context, disk: list[dict], reader: list[dict], small_pages: list[dict],
+          mem: dict[str, Any]) -> str:  # fmt: skip
     import matplotlib.pyplot as plt
 
     fig, (ax, axm) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 1]})
@@ -209,6 +226,10 @@ def _plot(ctx: Context, disk: list[dict], reader: list[dict], mem: dict[str, Any
         if rp:
             ax.plot(*zip(*rp, strict=True), "s--", color=c, ms=8, mfc="none",
                     label=f"colibri UringReader, {rec / 2**20:.2f} MiB")  # fmt: skip
+        sp = [(r["qd"], r["gbps"]) for r in small_pages if r["record_nbytes"] == rec]
+        if sp:
+            ax.plot(*zip(*sp, strict=True), "x", color=c, ms=9,
+                    label=f"UringReader, 4 KiB-page slab, {rec / 2**20:.2f} MiB")  # fmt: skip
     if peak:
         ax.axhline(peak, ls=":", color="gray", label=f"best fio {peak:.2f} GB/s")
     ax.set_xscale("log", base=2)
@@ -220,7 +241,7 @@ def _plot(ctx: Context, disk: list[dict], reader: list[dict], mem: dict[str, Any
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     labels = ["1 thread", f"{ctx.threads} threads"]
-    vals = [mem["mem_gbps_1t"], mem["mem_gbps"]]
+    vals = [mem["mem_gbps_1t"], mem["mem_gbps_nt_measured"]]
     bars = axm.bar(labels, vals, color=[colors[2], colors[3]])
     axm.bar_label(bars, fmt="%.1f")
     axm.set_ylabel("GB/s (read + write)")
@@ -250,6 +271,7 @@ def run(ctx: Context) -> Section:
         path, note = ensure_file(ctx)
     disk: list[dict[str, Any]] = []
     reader: list[dict[str, Any]] = []
+    small_pages: list[dict[str, Any]] = []  # UringReader into a 4 KiB-page slab
     if path is not None:
         runs = {}
         seed = iter(range(1, 1 << 30))
@@ -262,6 +284,9 @@ def run(ctx: Context) -> Section:
                 n = _read_nbytes(ctx, rec, qd)
                 runs[f"uring {rec} {qd}"] = lambda rec=rec, qd=qd, n=n: reader_gbps(
                     path, rec, qd, n, next(seed))  # fmt: skip
+            n = _read_nbytes(ctx, rec, HEADLINE_QD)
+            runs[f"uring4k {rec}"] = lambda rec=rec, n=n: reader_gbps(
+                path, rec, HEADLINE_QD, n, next(seed), backing="normal")  # fmt: skip
         rounds = max(MIN_ROUNDS, ctx.rounds)
         ctx.log(f"limits: disk sweep on {path} ({len(runs)} configurations x {rounds})")
         res = interleave(runs, rounds)
@@ -274,8 +299,11 @@ def run(ctx: Context) -> Section:
                 fio = median(res[f"fio {rec} {qd}"])
                 reader.append({"record_nbytes": rec, "qd": qd, "gbps": median(r), "runs": r,
                                "fio_gbps": fio, "ratio": median(r) / fio})  # fmt: skip
+            r = res[f"uring4k {rec}"]
+            small_pages.append({"record_nbytes": rec, "qd": HEADLINE_QD, "gbps": median(r),
+                                "runs": r})  # fmt: skip
         data.update(file=str(path), file_nbytes=path.stat().st_size)
-    data.update(disk=disk, reader=reader, disk_note=note)
+    data.update(disk=disk, reader=reader, reader_small_pages=small_pages, disk_note=note)
     ctx.results["limits"] = data  # later sections (and disk_gbps) read it from here
 
     md.append(
@@ -303,28 +331,40 @@ def run(ctx: Context) -> Section:
                         + [by[q]["gbps"] if q in by else "" for q in QDS])  # fmt: skip
             rows.append(["  reader / fio"] + [f"{by[q]['ratio']:.0%}" if q in by else ""
                                               for q in QDS])  # fmt: skip
+            sp = {r["qd"]: r["gbps"] for r in small_pages if r["record_nbytes"] == rec}
+            rows.append([f"UringReader, 4 KiB-page slab {rec / 2**20:.2f} MiB"]
+                        + [sp.get(q, "") for q in QDS])  # fmt: skip
         md += ["", table(header, rows)]
+        head = next(r for r in reader if r["record_nbytes"] == recs[0] and r["qd"] == HEADLINE_QD)
         spread = max(max(d["runs"]) / min(d["runs"]) for d in disk)
         if spread > 1.3:
             md += ["", f"Runs at the same setting varied up to {spread:.1f}x between rounds "
                    "(a shared, virtualised disk): read the medians as ±that much."]  # fmt: skip
-        head = next(r for r in reader if r["record_nbytes"] == recs[0] and r["qd"] == HEADLINE_QD)
         if any(r["ratio"] > 1.1 for r in reader):
-            md += ["", "The reader beat fio at some queue depths: on this shared, virtualised disk "
-                   "fio's figure is a measurement, not a hard ceiling (the host and other "
-                   "tenants set the pace); compare medians over several runs."]  # fmt: skip
+            sp = small_pages[0]["gbps"] if small_pages else None
+            md += ["", "The reader beat fio. fio's buffers are 4 KiB pages, so the block layer "
+                   "splits each record into several requests (at most `max_segments` pages "
+                   "each); colibri's slab sits on huge pages and a record goes down as one "
+                   f"request. The same reader into a 4 KiB-page slab reads {fmt(sp)} GB/s at QD "
+                   f"{HEADLINE_QD} (fio {fmt(head['fio_gbps'])}). So fio is not this disk's "
+                   "ceiling here: `disk_gbps` (the bound later sections use) takes the higher "
+                   "of fio and the reader at each measured point."]  # fmt: skip
         short = [r for r in reader if r["ratio"] < 0.9]
         if short:
-            md += [
-                "",
-                "Where the reader falls short of fio (< 90%), the extra time per record is "
-                "colibri's per-read cost (asyncio wake-up, Python submission and completion "
-                "handling, one record per `await`) on top of the disk's service time:",
-            ]
-            for r in short:
-                extra = r["record_nbytes"] / 1e3 * (1 / r["gbps"] - 1 / r["fio_gbps"])
-                md.append(f"- {r['record_nbytes'] / 2**20:.2f} MiB at QD {r['qd']}: "
-                          f"{r['ratio']:.0%} of fio, +{extra:.0f} µs per record")  # fmt: skip
+            md += ["", "Where the reader falls short of fio (< 90%), per record:"]
+        fio_runs = {(d["record_nbytes"], d["qd"]): d["runs"] for d in disk}
+        for r in short:
+            extra = r["record_nbytes"] / 1e3 * (1 / r["gbps"] - 1 / r["fio_gbps"])
+            if max(r["runs"]) >= min(fio_runs[r["record_nbytes"], r["qd"]]):
+                why = "within the run-to-run noise (the reader's best run beat fio's worst)"
+            else:
+                why = (
+                    "beyond the round-to-round spread; with few reads in flight each read "
+                    "waits on the last, so colibri's per-read work (asyncio wake-up, Python "
+                    "submit and completion) adds straight to every record's time"
+                )
+            md.append(f"- {r['record_nbytes'] / 2**20:.2f} MiB at QD {r['qd']}: {r['ratio']:.0%} "
+                      f"of fio, +{extra:.0f} µs per record: {why}")  # fmt: skip
         heads.append(Headline(
             scenario="Expert reads (UringReader)", unit="GB/s", value=head["gbps"],
             limit=head["fio_gbps"], limit_name=f"fio io_uring O_DIRECT QD {HEADLINE_QD}",
@@ -337,8 +377,13 @@ def run(ctx: Context) -> Section:
         f"{ctx.threads} concurrent threads), counting read + write bytes (the write-allocate "
         "traffic makes the real figure higher: a conservative ceiling); median of "
         f"{len(mem['mem_runs']['1t'])} interleaved rounds: **{fmt(mem['mem_gbps_1t'])} GB/s** "
-        f"at 1 thread, **{fmt(mem['mem_gbps'])} GB/s** at {ctx.threads} threads.",
+        f"at 1 thread, **{fmt(mem['mem_gbps_nt_measured'])} GB/s** at {ctx.threads} threads "
+        f"(best of {MEM_REPEAT} copies per round).",
     ]
-    figures = [_plot(ctx, disk, reader, mem)]
+    if mem["mem_gbps_nt_measured"] < mem["mem_gbps_1t"]:
+        md += ["", f"{ctx.threads} threads copied slower than one: the other cores were busy "
+               "with other work. The memory limit later sections use (`memory_gbps`) is the "
+               f"higher figure, {fmt(mem['mem_gbps'])} GB/s."]  # fmt: skip
+    figures = [_plot(ctx, disk, reader, small_pages, mem)]
     return Section(key="limits", title=TITLE, markdown="\n".join(md), data=data,
                    figures=figures, headlines=heads)  # fmt: skip

@@ -62,3 +62,18 @@ def test_disk_and_memory_from_the_limits_results(tmp_path: Path):
     want = 1.6 + (math.log2(24) - 3) / 2 * 0.8
     assert lim.disk_gbps(ctx, 99090432, 1) == pytest.approx(want)
     assert ctx.commands == []  # nothing was measured
+
+
+def test_disk_gbps_takes_the_reader_where_it_beat_fio(tmp_path: Path):
+    ctx = Context(out=tmp_path, work=tmp_path, quick=True, threads=2, rounds=1)
+    rec = lim.QWEN3_RECORD_NBYTES
+    ctx.results["limits"] = {
+        "disk": [{"record_nbytes": rec, "qd": q, "gbps": 1.0} for q in (1, 8, 32)],
+        "reader": [
+            {"record_nbytes": rec, "qd": 8, "gbps": 3.0},
+            {"record_nbytes": rec, "qd": 32, "gbps": 0.5},
+        ],
+    }
+    assert lim.disk_gbps(ctx, rec, 8) == 3.0  # the reader's higher figure
+    assert lim.disk_gbps(ctx, rec, 32) == 1.0  # fio's, where fio was higher
+    assert lim.disk_gbps(ctx, rec, 16) == pytest.approx(2.0)  # halfway in log2 between 8 and 32
