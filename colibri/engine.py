@@ -79,7 +79,9 @@ class EngineOptions:
     """budget: expert cache bytes (None: default_budget). policy: "lru" | "lfu" | "lfru".
     prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
-    each sequence's KV cache, tokens. kv_dtype: "f32" | "f16"."""
+    each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "f32" (exact) |
+    "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations with integer dot products,
+    as llama.cpp's CPU backend; float weights keep f32)."""
 
     budget: int | None = None
     policy: str = "lru"
@@ -88,6 +90,7 @@ class EngineOptions:
     threads: int = 0
     n_ctx: int = DEFAULT_N_CTX
     kv_dtype: str = "f32"
+    activations: str = "f32"
     queue_depth: int = 32
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
@@ -108,6 +111,8 @@ class EngineOptions:
             raise bad("n_ctx", "must be at least 1 token")
         if self.kv_dtype not in ("f32", "f16"):
             raise bad("kv_dtype", "must be f32 or f16")
+        if self.activations not in ("f32", "q8_0"):
+            raise bad("activations", "must be f32 or q8_0")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
 
@@ -171,7 +176,9 @@ class Engine:
     def __init__(self, store: Store, options: EngineOptions):
         self.store, self.options = store, options
         self.spec = model_spec(store.config)
-        self.model = Model(store, self.spec, nthreads=options.threads)
+        self.model = Model(
+            store, self.spec, nthreads=options.threads, activations=options.activations
+        )
         budget = options.budget
         if budget is None:
             budget = default_budget(store, self.model.dense_nbytes)

@@ -20,10 +20,20 @@ from colibri.models.spec import LayerSpec, ModelSpec
 
 
 class Linear:
-    """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None."""
+    """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
+    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0."""
 
-    def __init__(self, w: np.ndarray, qtype: QType, rows: int, cols: int, bias: np.ndarray | None):
+    def __init__(
+        self,
+        w: np.ndarray,
+        qtype: QType,
+        rows: int,
+        cols: int,
+        bias: np.ndarray | None,
+        act_q8: bool = False,
+    ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
+        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES
 
     @property
     def nbytes(self) -> int:
@@ -35,7 +45,10 @@ class Linear:
         """x f32 [n, cols] -> f32 [n, rows] (written into out when given)."""
         if out is None:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
-        ops.matmul(self.w, self.qtype, x, out, nthreads=nthreads)
+        if self.act_q8:
+            ops.matmul_q8(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
+        else:
+            ops.matmul(self.w, self.qtype, x, out, nthreads=nthreads)
         if self.bias is not None:
             out += self.bias
         return out
@@ -80,11 +93,16 @@ class KVCache:
 class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
+    activations: "f32" (exact) or "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized
+    activations, see ops.matmul_q8; float weights stay f32).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
-    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0):
+    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0, activations: str = "f32"):
         self.store, self.spec, self.nthreads = store, spec, nthreads
+        if activations not in ("f32", "q8_0"):
+            raise ValueError(f"activations={activations!r}: must be f32 or q8_0")
+        self.act_q8 = activations == "q8_0"
         self._names = set(store.dense_names())
         self.embed_w, self.embed_qtype = self._raw(
             f"{spec.embed}.weight", (spec.vocab_size, spec.d_model)
@@ -116,7 +134,7 @@ class Model:
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
         w, qtype = self._raw(f"{prefix}.weight", (rows, cols))
         bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
-        return Linear(w, qtype, rows, cols, bias)
+        return Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
 
     def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
         """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] is kept absorbed, f32:
@@ -343,6 +361,7 @@ class Model:
                 gate.rows,
                 act="silu",
                 accumulate=False,
+                act_q8=gate.act_q8,
                 nthreads=self.nthreads,
             )
             if "shared_expert_gate" in w and kind == "shared":
@@ -383,6 +402,7 @@ class Model:
             accumulate=False,
             alpha=m.alpha,
             limit=m.limit,
+            act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
             nthreads=self.nthreads,
         )
         return y

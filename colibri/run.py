@@ -91,6 +91,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="KV cache precision (default f32)",
     )
+    g.add_argument(
+        "--activations",
+        choices=("f32", "q8_0"),
+        default="f32",
+        help="f32: exact f32 activations; q8_0: quantize activations to Q8_0 and use integer "
+        "dot products for Q4_0/Q8_0 weights, as llama.cpp (faster, slightly less exact; "
+        "default f32)",
+    )
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -139,7 +147,17 @@ def configure_chat_parser(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
 
 
-ENGINE_OPTIONS = ("budget", "policy", "prefetch", "io", "threads", "n_ctx", "kv_dtype", "trace")
+ENGINE_OPTIONS = (
+    "budget",
+    "policy",
+    "prefetch",
+    "io",
+    "threads",
+    "n_ctx",
+    "kv_dtype",
+    "activations",
+    "trace",
+)
 SAMPLING_OPTIONS = (
     "max_tokens",
     "temperature",

@@ -57,17 +57,29 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
 int clb_matmul(int qtype, float *y, const void *w, const float *x,
                int64_t rows, int64_t cols, int64_t n, int nthreads);
 
+/* y[n, rows] = xq[n, cols] @ W[rows, cols]^T on Q8_0-quantized activations, as llama.cpp's CPU
+ * path (ggml_vec_dot_q4_0_q8_0 / ggml_vec_dot_q8_0_q8_0): per 32-weight block an exact int8 x
+ * int8 sum, times f32(d_w) * f32(d_x), accumulated in f32. W in CLB_QTYPE_Q4_0 or
+ * CLB_QTYPE_Q8_0 (else CLB_EQTYPE); xq: n rows of clb_row_nbytes(CLB_QTYPE_Q8_0, cols) bytes,
+ * e.g. from clb_quantize(CLB_QTYPE_Q8_0, ...) (= ggml's quantize_row_q8_0_ref). */
+int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq,
+                  int64_t rows, int64_t cols, int64_t n, int nthreads);
+
 /* ---- fused expert FFN (ffn.c) -----------------------------------------------------------
  * For each of n token rows: h = act(gate x + gate_bias, up x + up_bias)   [d_ff]
  *                           o = down h + down_bias                        [d_model]
  *                           y = (accumulate ? y : 0) + row_weight * o
  * gate, up: [d_ff, d_model] in qtype; down: [d_model, d_ff] in qtype; biases f32, nullable;
- * row_weight f32 [n], nullable (= 1). scratch f32 [n, 2 * d_ff]. */
+ * row_weight f32 [n], nullable (= 1). scratch f32 [n, 2 * d_ff].
+ * qscratch: NULL for f32 activations; else Q8_0 activations (see clb_matmul_q8; qtype must be
+ * Q4_0 or Q8_0): x is quantized once for gate and up, h before down, into qscratch of
+ * n * (clb_row_nbytes(CLB_QTYPE_Q8_0, d_model) + clb_row_nbytes(CLB_QTYPE_Q8_0, d_ff)) bytes. */
 int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x,
                    const void *gate, const void *up, const void *down,
                    const float *gate_bias, const float *up_bias, const float *down_bias,
                    const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
-                   int act, float alpha, float limit, int accumulate, int nthreads);
+                   int act, float alpha, float limit, int accumulate, void *qscratch,
+                   int nthreads);
 
 /* ---- small ops (ops.c) ----------------------------------------------------------------- */
 /* y[n, d] = x / sqrt(mean(x^2) + eps) * w; w nullable (= 1); y may alias x. */

@@ -7,6 +7,10 @@
  * the matmul rows kernels (quant.h).
  *
  * scratch [n, 2 d_ff] f32: g = scratch[0 : n d_ff] as [n, d_ff], u = the rest; h overwrites g.
+ *
+ * Q8_0 activations (qscratch != NULL): x is quantized to xq once before the first loop; each
+ * chunk of the first loop quantizes its own columns of h into hq (chunks are whole 32-column
+ * blocks then), and both loops use the integer-dot kernels (clb_mmq_rows_*).
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,6 +44,9 @@ static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0,
 
 struct ffn_job {
     clb_mm_rows_fn fn;
+    clb_mmq_rows_fn qfn;
+    uint8_t *xq, *hq; /* Q8_0 [n, xrb_model] / [n, xrb_ff], or NULL for f32 activations */
+    int64_t xrb_model, xrb_ff;
     int qtype, act, accumulate;
     float alpha, limit;
     float *y, *g, *u;  /* y [n, d_model]; g, u [n, d_ff] (h overwrites g) */
@@ -52,11 +59,22 @@ struct ffn_job {
 static void ffn_up_chunk(void *ctx, int64_t c) {
     const struct ffn_job *j = ctx;
     const int64_t f0 = c * j->ch_ff, f1 = f0 + j->ch_ff < j->d_ff ? f0 + j->ch_ff : j->d_ff;
-    j->fn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->x, j->d_model, j->d_model, j->n, f0,
-          f1, j->gate_bias, NULL, 0);
-    j->fn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->x, j->d_model, j->d_model, j->n, f0,
-          f1, j->up_bias, NULL, 0);
+    if (j->xq) {
+        j->qfn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->xq, j->xrb_model, j->d_model,
+               j->n, f0, f1, j->gate_bias, NULL, 0);
+        j->qfn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->xq, j->xrb_model, j->d_model,
+               j->n, f0, f1, j->up_bias, NULL, 0);
+    } else {
+        j->fn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->x, j->d_model, j->d_model, j->n,
+              f0, f1, j->gate_bias, NULL, 0);
+        j->fn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->x, j->d_model, j->d_model, j->n,
+              f0, f1, j->up_bias, NULL, 0);
+    }
     ffn_act(j->g, j->u, j->d_ff, j->n, f0, f1, j->act, j->alpha, j->limit);
+    if (j->hq) /* f0, f1 are multiples of 32 here (or f1 = d_ff) */
+        for (int64_t i = 0; i < j->n; i++)
+            clb_quantize_q8_0_blocks(j->hq + i * j->xrb_ff + f0 / QK * sizeof(block_q8_0),
+                                     j->g + i * j->d_ff + f0, (f1 - f0) / QK);
 }
 
 /* Chunk c of the second loop: d_model rows [c ch_model, ...) of down. */
@@ -64,30 +82,46 @@ static void ffn_down_chunk(void *ctx, int64_t c) {
     const struct ffn_job *j = ctx;
     const int64_t m0 = c * j->ch_model;
     const int64_t m1 = m0 + j->ch_model < j->d_model ? m0 + j->ch_model : j->d_model;
-    j->fn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->g, j->d_ff, j->d_ff, j->n, m0, m1,
-          j->down_bias, j->row_weight, j->accumulate);
+    if (j->hq)
+        j->qfn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->hq, j->xrb_ff, j->d_ff, j->n, m0,
+               m1, j->down_bias, j->row_weight, j->accumulate);
+    else
+        j->fn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->g, j->d_ff, j->d_ff, j->n, m0, m1,
+              j->down_bias, j->row_weight, j->accumulate);
 }
 
 int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const void *gate,
                    const void *up, const void *down, const float *gate_bias,
                    const float *up_bias, const float *down_bias, const float *row_weight,
                    int64_t n, int64_t d_model, int64_t d_ff, int act, float alpha, float limit,
-                   int accumulate, int nthreads) {
+                   int accumulate, void *qscratch, int nthreads) {
     const int64_t rb_model = clb_row_nbytes(qtype, d_model), rb_ff = clb_row_nbytes(qtype, d_ff);
     if (rb_model < 0) return (int)rb_model;
     if (rb_ff < 0) return (int)rb_ff;
     if (n < 0 || d_model <= 0 || d_ff <= 0 || act < CLB_ACT_SILU || act > CLB_ACT_SWIGLU_OAI)
         return CLB_EINVAL;
     if (n == 0) return CLB_OK;
+    if (qscratch && qtype != CLB_QTYPE_Q4_0 && qtype != CLB_QTYPE_Q8_0) return CLB_EQTYPE;
     if (!y || !scratch || !x || !gate || !up || !down) return CLB_EINVAL;
     const int nt = clb_threads_for(nthreads, 3 * d_ff * rb_model * ((n + 3) / 4), d_ff);
+    const int64_t xrb_model = clb_row_nbytes(CLB_QTYPE_Q8_0, d_model);
+    const int64_t xrb_ff = clb_row_nbytes(CLB_QTYPE_Q8_0, d_ff);
+    int64_t ch_ff = clb_chunk_rows(d_ff, nt);
+    uint8_t *xq = NULL, *hq = NULL;
+    if (qscratch) {
+        xq = qscratch;
+        hq = xq + n * xrb_model;
+        ch_ff = (ch_ff + QK - 1) / QK * QK;
+        clb_quantize_q8_0_blocks(xq, x, n * d_model / QK); /* rows are whole blocks */
+    }
     const struct ffn_job j = {
-        .fn = clb_mm_rows_for_isa(), .qtype = qtype, .act = act, .accumulate = accumulate,
+        .fn = clb_mm_rows_for_isa(), .qfn = clb_mmq_rows_for_isa(), .xq = xq, .hq = hq,
+        .xrb_model = xrb_model, .xrb_ff = xrb_ff, .qtype = qtype, .act = act, .accumulate = accumulate,
         .alpha = alpha, .limit = limit, .y = y, .g = scratch, .u = scratch + n * d_ff, .x = x,
         .gate_bias = gate_bias, .up_bias = up_bias, .down_bias = down_bias,
         .row_weight = row_weight, .gate = gate, .up = up, .down = down, .n = n,
         .d_model = d_model, .d_ff = d_ff, .rb_model = rb_model, .rb_ff = rb_ff,
-        .ch_ff = clb_chunk_rows(d_ff, nt), .ch_model = clb_chunk_rows(d_model, nt),
+        .ch_ff = ch_ff, .ch_model = clb_chunk_rows(d_model, nt),
     };
     clb_parallel_for((d_ff + j.ch_ff - 1) / j.ch_ff, ffn_up_chunk, (void *)&j, nt);
     clb_parallel_for((d_model + j.ch_model - 1) / j.ch_model, ffn_down_chunk, (void *)&j, nt);

@@ -1,7 +1,8 @@
 /* matmul.c — y[n, rows] = x[n, cols] @ W[rows, cols]^T for every storage type.
  *
  * Argument checks, ISA dispatch and threading over chunks of weight rows (pool.c). The inner loops are
- * clb_mm_rows_ref (quant.c, scalar twin) and clb_mm_rows_avx2 / _avx512 (arch/).
+ * clb_mm_rows_ref (quant.c, scalar twin) and clb_mm_rows_avx2 / _avx512 (arch/); on Q8_0
+ * activations (clb_matmul_q8) clb_mmq_rows_ref / _avx2 / _avx512 (arch/matmul_q8.inc).
  */
 #include <stdint.h>
 
@@ -14,6 +15,14 @@ clb_mm_rows_fn clb_mm_rows_for_isa(void) {
     case CLB_ISA_AVX512: return clb_mm_rows_avx512;
     case CLB_ISA_AVX2: return clb_mm_rows_avx2;
     default: return clb_mm_rows_ref;
+    }
+}
+
+clb_mmq_rows_fn clb_mmq_rows_for_isa(void) {
+    switch (clb_isa_get()) {
+    case CLB_ISA_AVX512: return clb_mmq_rows_avx512;
+    case CLB_ISA_AVX2: return clb_mmq_rows_avx2;
+    default: return clb_mmq_rows_ref;
     }
 }
 
@@ -68,5 +77,39 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows,
     }
     struct mm_job j = {fn, qtype, y, w, x, rows, cols, n, rb, clb_chunk_rows(rows, nt)};
     clb_parallel_for((rows + j.ch - 1) / j.ch, mm_chunk, &j, nt);
+    return CLB_OK;
+}
+
+struct mmq_job {
+    clb_mmq_rows_fn fn;
+    int qtype;
+    float *y;
+    const void *w, *xq;
+    int64_t rows, cols, n, rb, xrb, ch;
+};
+
+static void mmq_chunk(void *ctx, int64_t c) {
+    const struct mmq_job *j = ctx;
+    const int64_t r0 = c * j->ch, r1 = r0 + j->ch < j->rows ? r0 + j->ch : j->rows;
+    j->fn(j->qtype, j->y, j->rows, j->w, j->rb, j->xq, j->xrb, j->cols, j->n, r0, r1, NULL, NULL,
+          0);
+}
+
+int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq, int64_t rows, int64_t cols,
+                  int64_t n, int nthreads) {
+    if (qtype != CLB_QTYPE_Q4_0 && qtype != CLB_QTYPE_Q8_0) return CLB_EQTYPE;
+    const int64_t rb = clb_row_nbytes(qtype, cols), xrb = clb_row_nbytes(CLB_QTYPE_Q8_0, cols);
+    if (rb < 0) return (int)rb;
+    if (rows < 0 || n < 0) return CLB_EINVAL;
+    if (rows == 0 || n == 0) return CLB_OK;
+    if (!y || !w || !xq) return CLB_EINVAL;
+    const clb_mmq_rows_fn fn = clb_mmq_rows_for_isa();
+    const int nt = clb_threads_for(nthreads, rows * rb * ((n + 3) / 4), rows);
+    if (nt == 1) {
+        fn(qtype, y, rows, w, rb, xq, xrb, cols, n, 0, rows, NULL, NULL, 0);
+        return CLB_OK;
+    }
+    struct mmq_job j = {fn, qtype, y, w, xq, rows, cols, n, rb, xrb, clb_chunk_rows(rows, nt)};
+    clb_parallel_for((rows + j.ch - 1) / j.ch, mmq_chunk, &j, nt);
     return CLB_OK;
 }

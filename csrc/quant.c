@@ -106,6 +106,18 @@ static void quantize_q8_0(block_q8_0 *out, const float *x) {
     out->d = clb_f32_to_f16(d);
 }
 
+void clb_quantize_q8_0_ref(void *out, const float *x, int64_t nblk) {
+    for (int64_t b = 0; b < nblk; b++) quantize_q8_0((block_q8_0 *)out + b, x + b * QK);
+}
+
+void clb_quantize_q8_0_blocks(void *out, const float *x, int64_t nblk) {
+    switch (clb_isa_get()) {
+    case CLB_ISA_AVX512: clb_quantize_q8_0_avx512(out, x, nblk); break;
+    case CLB_ISA_AVX2: clb_quantize_q8_0_avx2(out, x, nblk); break;
+    default: clb_quantize_q8_0_ref(out, x, nblk); break;
+    }
+}
+
 /* Units [c per_chunk, ...) of a quantize job. */
 static void quantize_chunk(void *ctx, int64_t c) {
     const struct quant_job *j = ctx;
@@ -113,6 +125,10 @@ static void quantize_chunk(void *ctx, int64_t c) {
     uint8_t *o = j->out;
     const int64_t b0 = c * j->per_chunk;
     const int64_t b1 = b0 + j->per_chunk < j->nunits ? b0 + j->per_chunk : j->nunits;
+    if (j->qtype == CLB_QTYPE_Q8_0) { /* the SIMD twins give the same bytes */
+        clb_quantize_q8_0_blocks(o + b0 * sizeof(block_q8_0), x + b0 * QK, b1 - b0);
+        return;
+    }
     for (int64_t b = b0; b < b1; b++) {
         uint16_t h;
         switch (j->qtype) {
@@ -231,6 +247,41 @@ void clb_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t
                                                          : clb_bf16_to_f32(clb_load_u16(row + 2 * c));
                     s += wv * xi[c];
                 }
+            }
+            if (bias) s += bias[r];
+            float v = scale ? scale[i] * s : s;
+            y[i * ldy + r] = accumulate ? y[i * ldy + r] + v : v;
+        }
+    }
+}
+
+/* ---- scalar twin of the Q8_0-activation matmul (clb_matmul_q8) -----------------------------
+ * Per block the exact integer sum of w_q * x_q (Q4_0: w_q = nibble - 8), then in f32
+ * s += isum * (d_w * d_x), block order; ggml_vec_dot_q4_0_q8_0 / _q8_0_q8_0 in scalar form. */
+void clb_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
+                      const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
+                      int64_t r1, const float *bias, const float *scale, int accumulate) {
+    const int64_t bb = qtype == CLB_QTYPE_Q4_0 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const int64_t xb = sizeof(block_q8_0), nblk = cols / QK;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_nbytes;
+        for (int64_t i = 0; i < n; i++) {
+            float s = 0;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint8_t *wb = row + b * bb;
+                const block_q8_0 *xb8 = (const void *)(xq + i * ldxq + b * xb);
+                int32_t isum = 0;
+                if (qtype == CLB_QTYPE_Q4_0) {
+                    for (int j = 0; j < QK / 2; j++) {
+                        isum += ((wb[2 + j] & 15) - 8) * xb8->qs[j];
+                        isum += ((wb[2 + j] >> 4) - 8) * xb8->qs[j + QK / 2];
+                    }
+                } else {
+                    for (int j = 0; j < QK; j++) isum += (int8_t)wb[2 + j] * xb8->qs[j];
+                }
+                const float d = clb_f16_to_f32(clb_load_u16(wb)) *
+                                clb_f16_to_f32(clb_load_u16(&xb8->d));
+                s += (float)isum * d;
             }
             if (bias) s += bias[r];
             float v = scale ? scale[i] * s : s;

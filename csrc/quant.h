@@ -84,6 +84,28 @@ void clb_mm_rows_avx512(int qtype, float *y, int64_t ldy, const uint8_t *w, int6
 /* The variant for the current ISA level (clb_isa_get()). */
 clb_mm_rows_fn clb_mm_rows_for_isa(void);
 
+/* The same on Q8_0-quantized activations (clb_matmul_q8): x row i is the Q8_0 blocks at
+ * xq + i * ldxq (bytes), cols a multiple of 32, qtype Q4_0 or Q8_0 (validated). */
+typedef void (*clb_mmq_rows_fn)(int qtype, float *y, int64_t ldy, const uint8_t *w,
+                                int64_t row_nbytes, const uint8_t *xq, int64_t ldxq,
+                                int64_t cols, int64_t n, int64_t r0, int64_t r1,
+                                const float *bias, const float *scale, int accumulate);
+#define CLB_DECLARE_MMQ(name)                                                                  \
+    void name(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,          \
+              const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0, int64_t r1, \
+              const float *bias, const float *scale, int accumulate);
+CLB_DECLARE_MMQ(clb_mmq_rows_ref)
+CLB_DECLARE_MMQ(clb_mmq_rows_avx2)
+CLB_DECLARE_MMQ(clb_mmq_rows_avx512)
+clb_mmq_rows_fn clb_mmq_rows_for_isa(void);
+
+/* nblk Q8_0 blocks from 32 * nblk floats, on the calling thread, at the current ISA level;
+ * every variant gives clb_quantize's (and gguf's) exact bytes. */
+void clb_quantize_q8_0_blocks(void *out, const float *x, int64_t nblk);
+void clb_quantize_q8_0_ref(void *out, const float *x, int64_t nblk);
+void clb_quantize_q8_0_avx2(void *out, const float *x, int64_t nblk);
+void clb_quantize_q8_0_avx512(void *out, const float *x, int64_t nblk);
+
 /* Threads for a job of `work_bytes` weight bytes (times batch), capped by the request. */
 int clb_threads_for(int nthreads, int64_t work_bytes, int64_t rows);
 /* Rows per chunk when `rows` are shared among nt threads by dynamic scheduling. */

@@ -258,6 +258,53 @@ def matmul(
     return out
 
 
+# Weight types with an integer-dot path on Q8_0 activations (matmul_q8, expert_ffn(act_q8=True)).
+Q8_ACT_TYPES = frozenset((QType.Q4_0, QType.Q8_0))
+
+
+def quantize_act(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Activations x float32 [..., cols] -> Q8_0 blocks uint8 [..., row_nbytes(Q8_0, cols)] for
+    matmul_q8: per 32 values d = max|x| / 127 (stored f16) and q = round(x / d), which is
+    ggml's quantize_row_q8_0_ref and byte-identical to gguf.quants.quantize(x, Q8_0).
+    Raises KernelError if cols is not a multiple of 32 or `out` is wrong."""
+    return quantize(x, QType.Q8_0, out)
+
+
+def matmul_q8(
+    w: Buffer, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """out[n, rows] = xq[n, cols] @ W[rows, cols]^T on Q8_0-quantized activations (llama.cpp's
+    CPU path, ggml_vec_dot_q4_0_q8_0 / ggml_vec_dot_q8_0_q8_0): per 32-weight block the exact
+    int8 x int8 dot, times f32(d_w) * f32(d_x), summed in f32.
+
+    w: Q4_0 or Q8_0 bytes [rows, row_nbytes] (any C-contiguous buffer); xq: uint8
+    [n, row_nbytes(Q8_0, cols)] or 1-D, from quantize_act; out: float32 [n, rows] or [rows]
+    (same ndim as xq). Runs with the GIL released, allocates nothing. Returns out.
+    Raises KernelError for another weight type or any shape, dtype or size mismatch.
+    """
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    if qt not in Q8_ACT_TYPES:
+        raise KernelError(f"matmul_q8: weights must be Q4_0 or Q8_0, got {qt.name}")
+    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
+        raise KernelError("matmul_q8: xq must be a C-contiguous uint8 numpy array (Q8_0 blocks)")
+    _f32(out, "matmul_q8: out", writable=True)
+    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
+        raise KernelError(
+            f"matmul_q8: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
+            "or [n, row bytes] and [n, rows]"
+        )
+    if xq.shape[-1] % 34:
+        raise KernelError(f"matmul_q8: xq rows of {xq.shape[-1]} bytes are not Q8_0 blocks")
+    n, cols, rows = (xq.shape[0] if xq.ndim == 2 else 1), xq.shape[-1] // 34 * 32, out.shape[-1]
+    want = rows * _row_nbytes(qt, cols)
+    if (got := _nbytes(w, "matmul_q8: w")) != want:
+        raise KernelError(f"matmul_q8: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    rc = lib.clb_matmul_q8(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul_q8({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
 def _opt_f32(a: np.ndarray | None, size: int, name: str) -> np.ndarray | None:
     if a is not None and _f32(a, name).size != size:
         raise KernelError(f"{name} must have {size} elements, got {a.size}")
@@ -283,6 +330,7 @@ def expert_ffn(
     alpha: float = 1.702,
     limit: float = 7.0,
     scratch: np.ndarray | None = None,
+    act_q8: bool = False,
     nthreads: int = 0,
 ) -> np.ndarray:
     """One routed expert on n token rows: out (+)= row_weight * down(act(gate x, up x)).
@@ -294,7 +342,10 @@ def expert_ffn(
     GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
     (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
     accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (allocated
-    if None; pass it to stay allocation-free). Returns out. Raises KernelError on bad shapes.
+    if None; pass it to stay allocation-free). act_q8=True (Q4_0 / Q8_0 weights only): x and
+    h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
+    scratch is allocated here). Returns out. Raises KernelError on bad shapes, or act_q8 with
+    another weight type.
     """
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
@@ -313,10 +364,19 @@ def expert_ffn(
         scratch = np.empty(2 * n * d_ff, np.float32)
     elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
         raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
+    qs = ffi.NULL
+    if act_q8:
+        if qt not in Q8_ACT_TYPES:
+            raise KernelError(f"expert_ffn: act_q8 needs Q4_0 or Q8_0 weights, got {qt.name}")
+        qs = ffi.from_buffer(
+            np.empty(
+                n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)), np.uint8
+            )
+        )
     rc = lib.clb_expert_ffn(
         qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
         ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
-        n, d_model, d_ff, a, alpha, limit, bool(accumulate), nthreads,
+        n, d_model, d_ff, a, alpha, limit, bool(accumulate), qs, nthreads,
     )  # fmt: skip
     if rc:
         _check(rc, f"expert_ffn({qt.name}, n={n}, d_model={d_model}, d_ff={d_ff})")

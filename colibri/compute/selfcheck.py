@@ -90,6 +90,23 @@ def check_matmul(rng: np.random.Generator) -> list[CheckResult]:
 
 
 @register
+def check_matmul_q8(rng: np.random.Generator) -> list[CheckResult]:
+    """matmul_q8 (Q8_0 activations) vs float64 numpy on gguf's dequantized weights and
+    activations: the integer dots are exact, so the f32 bound of matmul applies."""
+    out = []
+    for qt in sorted(ops.Q8_ACT_TYPES):
+        data, w = _weights(rng, qt, 37, 256)
+        for n in (1, 5, 16):
+            x = rng.standard_normal((n, 256)).astype(np.float32)
+            xq = ops.quantize_act(x)
+            xd = ref.dequantize(xq, int(ops.QType.Q8_0), x.shape)
+            y = ops.matmul_q8(data, qt, xq, np.empty((n, 37), np.float32))
+            err = matmul_err(y, ref.matmul(w, xd), xd, w)
+            out.append(CheckResult("matmul_q8", f"{qt.name} n={n}", err, MATMUL_TOL))
+    return out
+
+
+@register
 def check_expert_ffn(rng: np.random.Generator) -> list[CheckResult]:
     """expert_ffn with biases and routing weights vs float64 numpy (relative L2 error)."""
     out = []

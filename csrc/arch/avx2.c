@@ -87,3 +87,7 @@ dec_block(int fmt, const uint8_t *blk, __m256 d, __m256 m, __m256 w[4]) {
 }
 
 #include "matmul_simd.inc"
+
+#define MMQ_FN clb_mmq_rows_avx2
+#define MMQ_QUANT_FN clb_quantize_q8_0_avx2
+#include "matmul_q8.inc"

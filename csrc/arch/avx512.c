@@ -72,3 +72,7 @@ dec_block(int fmt, const uint8_t *blk, __m512 d, __m512 m, __m512 w[2]) {
 }
 
 #include "matmul_simd.inc"
+
+#define MMQ_FN clb_mmq_rows_avx512
+#define MMQ_QUANT_FN clb_quantize_q8_0_avx512
+#include "matmul_q8.inc"
