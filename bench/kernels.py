@@ -97,21 +97,30 @@ def main() -> None:
         print(f"memory bandwidth, numpy copy of 256 MiB, {t} thread(s): {v:6.2f} GB/s (read+write)")
     print()
     print("cpu% = process CPU time / (wall x threads): below 100% the machine was busy.")
-    print(f"{'format':<6} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12} {'of mem bw':>10}"
-          f" {'GFLOP/s':>8} {'cpu%':>5}")  # fmt: skip
+    print("act q8_0: activations quantized to Q8_0 (included in the time), integer dots.")
+    print(f"{'format':<6} {'act':<4} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12}"
+          f" {'of mem bw':>10} {'GFLOP/s':>8} {'cpu%':>5}")  # fmt: skip
     for name in args.formats.split(","):
         qt = ops.QType.parse(name)
         rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
         w = make_weights(qt, rows, args.cols, rng)
-        for n in (1, 8):
+        acts = ("f32", "q8_0") if qt in ops.Q8_ACT_TYPES else ("f32",)
+        for n, act, t in ((n, a, t) for n in (1, 8) for a in acts for t in sorted({1, nt})):
             x = rng.standard_normal((n, args.cols)).astype(np.float32)
             y = np.empty((n, rows), np.float32)
-            for t in sorted({1, nt}):
-                s, cpu = best_time_cpu(lambda: ops.matmul(w, qt, x, y, nthreads=t), args.repeat)  # noqa: B023
-                gbs = w.nbytes / s / 1e9
-                print(f"{qt.name:<6} {n:>3} {t:>3} {s * 1e3:8.2f} {gbs:12.2f} "
-                      f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}"
-                      f" {cpu / s / t:5.0%}")  # fmt: skip
+            xq = np.empty((n, ops.row_nbytes("q8_0", args.cols)), np.uint8)
+
+            def run(x=x, y=y, xq=xq, act=act, t=t) -> None:
+                if act == "f32":
+                    ops.matmul(w, qt, x, y, nthreads=t)  # noqa: B023
+                else:
+                    ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: B023
+
+            s, cpu = best_time_cpu(run, args.repeat)
+            gbs = w.nbytes / s / 1e9
+            print(f"{qt.name:<6} {act:<4} {n:>3} {t:>3} {s * 1e3:8.2f} {gbs:12.2f} "
+                  f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}"
+                  f" {cpu / s / t:5.0%}")  # fmt: skip
         del w
 
     print("\nsmall-call latency (median / best us per call through ops.*, cache-resident):")
@@ -126,18 +135,19 @@ def main() -> None:
     for qt in ("q4_0", "q8_0"):
         gate, up = (make_weights(ops.QType.parse(qt), d_ff, d_model, rng) for _ in range(2))
         down = make_weights(ops.QType.parse(qt), d_model, d_ff, rng)
-        for n in (1, 8):
+        for n, q8, t in ((n, q8, t) for n in (1, 8) for q8 in (False, True) for t in {1, nt}):
             x = rng.standard_normal((n, d_model)).astype(np.float32)
             y, scratch = np.zeros_like(x), np.empty(2 * n * d_ff, np.float32)
-            for t in sorted({1, nt}):
-                med, best = latency_us(
-                    lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
-                                           scratch=scratch, nthreads=t),  # noqa: B023
-                    repeat=500,
-                )  # fmt: skip
-                print(
-                    f"  expert_ffn {qt} {d_model}x{d_ff} n={n}, {t} thr: {med:7.1f} / {best:7.1f}"
-                )
+            med, best = latency_us(
+                lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
+                                       scratch=scratch, act_q8=q8, nthreads=t),  # noqa: B023
+                repeat=500,
+            )  # fmt: skip
+            act = "q8_0" if q8 else "f32"
+            print(
+                f"  expert_ffn {qt} {d_model}x{d_ff} act {act:<4} n={n}, {t} thr: "
+                f"{med:7.1f} / {best:7.1f}"
+            )
 
 
 if __name__ == "__main__":
