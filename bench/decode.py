@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""Decode benchmark: tok/s, TTFT and where the time goes, next to the storage and compute
-bounds measured in the same run.
+"""Decode and prefill benchmark: tok/s, TTFT and where the time goes, next to the storage and
+compute bounds measured in the same run. One implementation, used by `colibri bench` (section
+"decode", bench/sec_decode.py) and by this script.
 
 (a) a store that fits in the expert budget (warm: every expert resident after a warm-up);
 (b) a Qwen3-30B-A3B-shaped store (synthetic, ~17 GB in q4_0) with a budget well below its
-    size and a cold page cache (O_DIRECT reads bypass it; with --io mmap caches are dropped
-    first when running as root).
+    size and a cold cache (a fresh engine; O_DIRECT reads bypass the page cache).
 
-Bounds (DESIGN.md §8): storage = disk GB/s (fio, io_uring, O_DIRECT, record-sized random reads
-at the queue depth one layer's misses give) / bytes read per token; compute = 1 / compute
-seconds per token (the kernels' time in this same run, i.e. tok/s with every expert resident).
+Bounds (DESIGN.md §8), per token:
+  storage  t_io = bytes read per token / disk bytes/s (fio, io_uring, O_DIRECT, record-sized
+           random reads at the queue depth one layer's misses give);
+  compute  t_c  = kernel seconds per token with every expert resident (the warm "fits" run);
+  combined t_lb = max(t_io, t_c): the pipeline reads a layer's misses while it computes its
+           hits and the prefetcher reads the next layer's experts during this one, so reads
+           and compute may overlap; no engine can beat the slower of the two. The no-overlap
+           figure t_io + t_c is given beside it.
+A bound in tok/s is 1 / t.
 
     python bench/decode.py                     # makes the synthetic stores under /tmp/stores
     python bench/decode.py --big PATH --budget 4G --tokens 32
@@ -19,36 +25,60 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from colibri.engine import open_engine  # noqa: E402
+from colibri.engine import EngineOptions, open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
 from colibri.run import parse_size, size_arg  # noqa: E402
 
 STORES = Path("/tmp/stores")
 
 
-def ensure_store(path: Path, model: str, layers: int | None, quant: str = "q4_0") -> Path:
-    """Make a synthetic store with tools/synth_store.py unless it is already there."""
+def synth_command(path: Path, model: str, layers: int | None, quant: str = "q4_0") -> list[str]:
+    """The tools/synth_store.py command that makes `path`."""
+    cmd = [sys.executable, str(ROOT / "tools/synth_store.py"), model, str(path), "--quant", quant]
+    return cmd + (["--layers", str(layers)] if layers else [])
+
+
+def ensure_store(
+    path: Path,
+    model: str,
+    layers: int | None,
+    quant: str = "q4_0",
+    run: Callable[[list[str]], Any] | None = None,
+) -> Path:
+    """Make a synthetic store with tools/synth_store.py unless it is already there.
+    `run(cmd)` runs the command (default subprocess.run, check=True); the tool writes to a
+    temporary directory and renames it, so a store that exists is complete."""
     if (path / "manifest.json").exists():
         return path
-    cmd = [sys.executable, str(ROOT / "tools/synth_store.py"), model, str(path), "--quant", quant]
-    if layers:
-        cmd += ["--layers", str(layers)]
-    print("making", path, "...", flush=True)
-    subprocess.run(cmd, check=True)
+    cmd = synth_command(path, model, layers, quant)
+    if run is None:
+        print("making", path, "...", flush=True)
+        subprocess.run(cmd, check=True)
+    else:
+        run(cmd)
     return path
+
+
+def store_expert_nbytes(path: Path) -> int:
+    """Bytes of all expert records of the store at `path`."""
+    return sum(r.nbytes for r in open_store(path).records)
 
 
 def drop_page_cache() -> bool:
@@ -62,12 +92,9 @@ def drop_page_cache() -> bool:
 
 def fio_gbps(path: Path, record: int, qd: int, total: int) -> float:
     """fio: random O_DIRECT reads of `record` bytes at queue depth qd, io_uring (GB/s)."""
-    import importlib.util
+    from bench import io as bench_io
 
-    spec = importlib.util.spec_from_file_location("bench_io", ROOT / "bench" / "io.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
+    return bench_io.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
 
 
 def memory_gbps(nbytes: int = 1 << 30) -> float:
@@ -83,71 +110,196 @@ def memory_gbps(nbytes: int = 1 << 30) -> float:
 
 
 @dataclass
+class Phase:
+    """One phase (prefill of the prompt, or decode of single tokens) of one run.
+
+    tokens: tokens processed; seconds: wall time; wait_io / compute / verify: seconds summed
+    over the phase (awaiting records not ready / in the compute thread / hashing records);
+    bytes_read: expert bytes read from disk (demand + prefetch); hits / misses: cache gets."""
+
+    tokens: int
+    seconds: float
+    wait_io: float
+    compute: float
+    verify: float
+    bytes_read: int
+    reads: int
+    hits: int
+    misses: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        gets = self.hits + self.misses
+        return self.hits / gets if gets else 1.0
+
+    def per_token(self) -> dict[str, float]:
+        """Seconds per token: total, compute, wait_io, other (= total - compute - wait_io:
+        Python, event loop, hashing, executor hand-offs), and bytes read per token."""
+        n = max(1, self.tokens)
+        total, comp, wait = self.seconds / n, self.compute / n, self.wait_io / n
+        return {
+            "total": total,
+            "compute": comp,
+            "wait_io": wait,
+            "other": max(0.0, total - comp - wait),
+            "verify": self.verify / n,
+            "bytes": self.bytes_read / n,
+        }
+
+
+@dataclass
 class DecodeFigures:
-    """Decode phase only (prefill excluded): per generated token."""
+    """One run: a fresh engine, a prompt prefilled (TTFT = prefill + the first token's
+    logits) then n_tokens greedy decode steps."""
 
     backend: str
-    ttft: float  # seconds: prefill of the prompt + the first token
-    tok_s: float
-    hit_rate: float
-    bytes_per_token: float
-    wait_io: float  # seconds per token awaiting records that were not ready
-    compute: float  # seconds per token in kernels
-    prefetch: object
+    budget: int
+    warm: bool
+    prefill: Phase
+    decode: Phase
+    prefetch: dict[str, Any] | None  # the prefetcher's counters so far (since the open)
+
+    @property
+    def ttft(self) -> float:
+        return self.prefill.seconds
+
+    @property
+    def tok_s(self) -> float:
+        return self.decode.tok_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for ph in ("prefill", "decode"):
+            p = getattr(self, ph)
+            d[ph] |= {"tok_s": p.tok_s, "hit_rate": p.hit_rate, "per_token": p.per_token()}
+        return d
 
 
-async def decode(path: Path, budget: int, n_prompt: int, n_tokens: int, warm: bool, **opts):
-    async with open_engine(path, budget=budget, n_ctx=n_prompt + n_tokens + 8, **opts) as eng:
-        rng = np.random.default_rng(0)
-        prompt = rng.integers(10, eng.spec.vocab_size, n_prompt).tolist()
-        if warm:  # one pass of the same tokens loads what decode will touch
-            await eng.generate(prompt, max_tokens=n_tokens, temperature=0)
-        seq = eng.new_sequence()
-        t0 = time.perf_counter()
-        logits = await eng.forward(seq, prompt)
-        ttft = time.perf_counter() - t0
-        times, c0 = eng.pipeline.times, eng.cache.statistics()
-        io0, comp0 = times.wait_io, times.compute
-        t1 = time.perf_counter()
-        for _ in range(n_tokens):
-            logits = await eng.forward(seq, [int(np.argmax(logits))])
-        dt = time.perf_counter() - t1
-        c1 = eng.cache.statistics()
-        gets = (c1.hits - c0.hits) + (c1.misses - c0.misses)
-        return DecodeFigures(
-            backend=eng.reader.statistics().backend,
-            ttft=ttft,
-            tok_s=n_tokens / dt,
-            hit_rate=(c1.hits - c0.hits) / gets if gets else 1.0,
-            bytes_per_token=(c1.bytes_read - c0.bytes_read) / n_tokens,
-            wait_io=(times.wait_io - io0) / n_tokens,
-            compute=(times.compute - comp0) / n_tokens,
-            prefetch=eng.prefetcher.statistics() if eng.prefetcher else None,
-        )
+def _snapshot(eng: Any) -> tuple[float, float, Any]:
+    t = eng.pipeline.times
+    return t.wait_io, t.compute, eng.cache.statistics()
 
 
-def report(name: str, f: DecodeFigures, disk: float) -> None:
-    storage_bound = disk * 1e9 / f.bytes_per_token if f.bytes_per_token else float("inf")
-    compute_bound = 1.0 / f.compute
-    bound = min(storage_bound, compute_bound)
+def _phase(eng: Any, s0: tuple[float, float, Any], tokens: int, seconds: float) -> Phase:
+    w1, c1, k1 = _snapshot(eng)
+    w0, c0, k0 = s0
+    return Phase(
+        tokens=tokens,
+        seconds=seconds,
+        wait_io=w1 - w0,
+        compute=c1 - c0,
+        verify=k1.verify_seconds - k0.verify_seconds,
+        bytes_read=k1.bytes_read - k0.bytes_read,
+        reads=k1.reads - k0.reads,
+        hits=k1.hits - k0.hits,
+        misses=k1.misses - k0.misses,
+    )
+
+
+async def run_passes(
+    path: Path, budget: int, n_prompt: int, n_tokens: int, passes: int = 2, **opts: Any
+) -> list[DecodeFigures]:
+    """Open a fresh engine on `path` with `budget` expert bytes (EngineOptions `opts`), then
+    `passes` times: a new sequence, the same random prompt of n_prompt ids (seed 0) prefilled
+    in one forward pass, then n_tokens greedy decode steps (so every pass feeds the same
+    tokens). Pass 0 is cold (empty expert cache; O_DIRECT reads bypass the page cache), each
+    later pass is warm: the one before it was its warm-up. Raises what open_engine raises."""
+    n_ctx = n_prompt + n_tokens + 8
+    out = []
+    async with open_engine(path, budget=budget, n_ctx=n_ctx, **opts) as eng:
+        prompt = np.random.default_rng(0).integers(10, eng.spec.vocab_size, n_prompt).tolist()
+        for i in range(passes):
+            seq = eng.new_sequence()
+            s0 = _snapshot(eng)
+            t0 = time.perf_counter()
+            logits = await eng.forward(seq, prompt)
+            prefill = _phase(eng, s0, n_prompt, time.perf_counter() - t0)
+            s1 = _snapshot(eng)
+            t1 = time.perf_counter()
+            for _ in range(n_tokens):
+                logits = await eng.forward(seq, [int(np.argmax(logits))])
+            dec = _phase(eng, s1, n_tokens, time.perf_counter() - t1)
+            seq.kv = None  # free the KV cache now
+            pf = asdict(eng.prefetcher.statistics()) if eng.prefetcher else None
+            backend = eng.reader.statistics().backend
+            out.append(DecodeFigures(backend, budget, i > 0, prefill, dec, pf))
+    return out
+
+
+async def decode(
+    path: Path, budget: int, n_prompt: int, n_tokens: int, warm: bool, **opts: Any
+) -> DecodeFigures:
+    """One run of run_passes: the cold pass, or (warm) the pass after it."""
+    figs = await run_passes(path, budget, n_prompt, n_tokens, 2 if warm else 1, **opts)
+    return figs[-1]
+
+
+def engine_supports(option: str) -> bool:
+    """Whether EngineOptions has a field `option` (options land in colibri over time)."""
+    return option in EngineOptions.__dataclass_fields__
+
+
+# ---- bounds (pure functions: tests/test_bench_decode.py) ----
+
+
+def storage_seconds(bytes_per_token: float, disk_gbps: float) -> float:
+    """Seconds per token to read `bytes_per_token` at `disk_gbps` (1e9 bytes/s)."""
+    if disk_gbps <= 0:
+        raise ValueError(f"disk bandwidth must be positive, got {disk_gbps} GB/s")
+    return bytes_per_token / (disk_gbps * 1e9)
+
+
+def rate(seconds: float) -> float:
+    """Tokens/s of a per-token time (inf for 0: a bound that does not bind)."""
+    return 1.0 / seconds if seconds > 0 else math.inf
+
+
+def bounds(bytes_per_token: float, disk_gbps: float, compute_s: float) -> dict[str, float]:
+    """The per-token bounds in tok/s: storage (1 / t_io), compute (1 / t_c), combined
+    (1 / max(t_io, t_c): reads overlap compute) and serial (1 / (t_io + t_c): no overlap)."""
+    t_io = storage_seconds(bytes_per_token, disk_gbps)
+    return {
+        "storage": rate(t_io),
+        "compute": rate(compute_s),
+        "combined": rate(max(t_io, compute_s)),
+        "serial": rate(t_io + compute_s),
+        "t_io": t_io,
+        "t_compute": compute_s,
+    }
+
+
+def miss_queue_depth(misses: int, layers: int, tokens: int, cap: int) -> int:
+    """Reads one layer's misses put in flight at once: misses per layer per forward pass
+    (rounded up to a power of two, at least 1, at most the reader's depth `cap`)."""
+    per = misses / max(1, layers * tokens)
+    return int(min(cap, max(1, 2 ** math.ceil(math.log2(max(per, 1.0))))))
+
+
+def report(name: str, f: DecodeFigures, disk: float, compute_s: float | None = None) -> None:
+    """Print one run with its bounds (compute_s: kernel seconds per token when every expert
+    is resident; default this run's own)."""
+    d, pt = f.decode, f.decode.per_token()
+    b = bounds(pt["bytes"], disk, compute_s if compute_s is not None else pt["compute"])
     print(f"\n== {name} ({f.backend})")
     print(
-        f"  decode {f.tok_s:8.2f} tok/s   TTFT {f.ttft * 1e3:8.0f} ms   "
-        f"hit rate {f.hit_rate:6.1%}   read {f.bytes_per_token / 2**20:8.1f} MiB/token"
+        f"  decode {d.tok_s:8.2f} tok/s   prefill {f.prefill.tok_s:8.1f} tok/s (TTFT "
+        f"{f.ttft * 1e3:.0f} ms)   hit rate {d.hit_rate:6.1%}   read "
+        f"{pt['bytes'] / 2**20:8.1f} MiB/token"
     )
     print(
-        f"  per token: waiting on disk {f.wait_io * 1e3:7.1f} ms, computing "
-        f"{f.compute * 1e3:7.1f} ms, other {(1 / f.tok_s - f.wait_io - f.compute) * 1e3:7.1f} ms"
+        f"  per token: waiting on disk {pt['wait_io'] * 1e3:7.1f} ms, computing "
+        f"{pt['compute'] * 1e3:7.1f} ms, other {pt['other'] * 1e3:7.1f} ms"
     )
     if f.prefetch is not None:
         p = f.prefetch
-        print(
-            f"  prefetch: recall {p.recall:.1%} precision {p.precision:.1%} "
-            f"enabled {p.enabled} backoffs {p.backoffs}"
-        )
+        print(f"  prefetch: recall {p['recall']:.1%} precision {p['precision']:.1%}")
     print(
-        f"  storage bound {storage_bound:8.2f} tok/s   compute bound {compute_bound:8.2f} "
-        f"tok/s   -> colibri at {f.tok_s / bound:6.1%} of the lower bound"
+        f"  storage bound {b['storage']:8.2f} tok/s   compute bound {b['compute']:8.2f} "
+        f"tok/s   -> colibri at {d.tok_s / b['combined']:6.1%} of the lower bound"
     )
 
 
@@ -173,15 +325,15 @@ def main() -> int:
     mem = memory_gbps()
     print(f"memory copy bandwidth {mem:.1f} GB/s (read+write)")
 
-    all_small = sum(r.nbytes for r in s.records)
-    fig = asyncio.run(
+    all_small = store_expert_nbytes(small)
+    fits = asyncio.run(
         decode(small, all_small, args.prompt_tokens, args.tokens, warm=True, io=args.io)
     )
     disk = fio_gbps(small / "experts.bin", s.layout.record_nbytes, k, 1 << 30)
     print(
         f"disk (fio io_uring O_DIRECT, {s.layout.record_nbytes >> 10} KiB, QD {k}): {disk:.2f} GB/s"
     )
-    report(f"(a) fits: {small.name}, budget = all experts, warm", fig, disk)
+    report(f"(a) fits: {small.name}, budget = all experts, warm", fits, disk)
 
     if args.skip_big:
         return 0
@@ -191,7 +343,7 @@ def main() -> int:
         return 0
     big = ensure_store(args.big, "qwen3-30b-a3b", layers=None)
     b = open_store(big)
-    size = sum(r.nbytes for r in b.records)
+    size = store_expert_nbytes(big)
     dropped = drop_page_cache()
     disk = fio_gbps(big / "experts.bin", b.layout.record_nbytes, k, 2 << 30)
     print(
@@ -201,7 +353,7 @@ def main() -> int:
     fig = asyncio.run(
         decode(big, args.budget, args.prompt_tokens, args.tokens, warm=False, io=args.io)
     )
-    report(f"(b) out of core: {big.name}, cold", fig, disk)
+    report(f"(b) out of core: {big.name}, cold", fig, disk)  # its own kernel time
     return 0
 
 

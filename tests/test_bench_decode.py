@@ -1,0 +1,54 @@
+"""bench/decode.py: the bounds and the per-token split, from hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import decode as bd
+
+
+def test_bounds_storage_compute_combined_serial() -> None:
+    # 100 MB per token at 0.5 GB/s = 0.2 s; compute 0.05 s
+    b = bd.bounds(100e6, 0.5, 0.05)
+    assert b["t_io"] == pytest.approx(0.2)
+    assert b["storage"] == pytest.approx(5.0)
+    assert b["compute"] == pytest.approx(20.0)
+    assert b["combined"] == pytest.approx(5.0)  # 1 / max(0.2, 0.05)
+    assert b["serial"] == pytest.approx(4.0)  # 1 / (0.2 + 0.05)
+
+
+def test_bounds_nothing_read_is_compute_bound() -> None:
+    b = bd.bounds(0.0, 1.0, 0.1)
+    assert math.isinf(b["storage"])
+    assert b["combined"] == pytest.approx(10.0) and b["serial"] == pytest.approx(10.0)
+
+
+def test_bounds_reject_zero_disk() -> None:
+    with pytest.raises(ValueError, match="disk bandwidth"):
+        bd.bounds(1.0, 0.0, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("misses", "layers", "tokens", "cap", "qd"),
+    [
+        (64, 8, 1, 32, 8),
+        (320, 4, 10, 32, 8),
+        (30, 4, 1, 32, 8),
+        (500, 4, 1, 32, 32),
+        (0, 4, 8, 32, 1),
+    ],
+)
+def test_miss_queue_depth(misses: int, layers: int, tokens: int, cap: int, qd: int) -> None:
+    assert bd.miss_queue_depth(misses, layers, tokens, cap) == qd
+
+
+def test_phase_per_token_split() -> None:
+    p = bd.Phase(tokens=4, seconds=2.0, wait_io=0.6, compute=1.2, verify=0.1,
+                 bytes_read=400, reads=4, hits=3, misses=1)  # fmt: skip
+    pt = p.per_token()
+    assert p.tok_s == pytest.approx(2.0) and p.hit_rate == pytest.approx(0.75)
+    assert pt["total"] == pytest.approx(0.5) and pt["compute"] == pytest.approx(0.3)
+    assert pt["wait_io"] == pytest.approx(0.15) and pt["other"] == pytest.approx(0.05)
+    assert pt["bytes"] == pytest.approx(100)
