@@ -222,9 +222,13 @@ def run(ctx: Context) -> Section:
                f"and {ctx.threads} threads give {scale:.2f}x that"
                + (" — nearly linear, so unpacking nibbles and the FMAs per byte (compute), not "
                   "DRAM, bound it" if scale > 0.8 * ctx.threads else
-                  " — less than linear: the other threads lose time to other processes on this "
-                  f"shared machine (CPU share {best['cpu_share']:.0%}) or to memory")
+                  " — less than linear: the second thread loses time to other processes on "
+                  "this shared machine or waits on memory")
                + "."]  # fmt: skip
+        if min(best["cpu_share"], one["cpu_share"]) < 0.8:
+            md[-1] += (f" Caveat: these points got only {one['cpu_share']:.0%} (1 thread) and "
+                       f"{best['cpu_share']:.0%} ({ctx.threads} threads) of their CPU time; the "
+                       "rest went to other work on the machine.")  # fmt: skip
 
     busy = [r for r in rows if r["cpu_share"] < 0.8]
     if busy:
