@@ -126,7 +126,8 @@ def memory_cgroup(limit_bytes: int) -> Iterator[dict[str, Any]]:
     """A fresh memory cgroup limited to `limit_bytes` (swap included where the kernel counts
     it), as a child of this process's own cgroup. Yields {"version", "path", "procs"}: write a
     pid to `procs` (see `_join`) to move a process in. On exit, after its processes are gone,
-    reads the peak usage into the dict ("peak_bytes", page cache included) and removes it.
+    reads the peak usage into the dict ("peak_bytes", page cache included) and the number of
+    processes the kernel's OOM killer ended in it ("oom_kills"), then removes it.
     Raises PermissionError if cgroups are not writable here."""
     version, parent = _own_memory_cgroup()
     path = parent / f"colibri-bench-{os.getpid()}-{secrets.token_hex(3)}"
@@ -153,6 +154,11 @@ def memory_cgroup(limit_bytes: int) -> Iterator[dict[str, Any]]:
         peak = path / ("memory.peak" if version == 2 else "memory.max_usage_in_bytes")
         with contextlib.suppress(OSError, ValueError):
             info["peak_bytes"] = int(peak.read_text())
+        events = path / ("memory.events" if version == 2 else "memory.oom_control")
+        with contextlib.suppress(OSError, ValueError):  # "oom_kill N" (kernels >= 4.13)
+            for line in events.read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    info["oom_kills"] = int(line.split()[1])
         for _ in range(50):  # the last exiting task may linger a moment
             try:
                 path.rmdir()
@@ -197,8 +203,9 @@ def run_completion(
     Returns {"wall_s", "wall_tok_s" (n / wall time, loading included), "decode_tok_s" and
     "prompt_tok_s" (llama.cpp's own eval timings), "n_prompt", "n_gen", "peak_rss_bytes"
     (max RSS, file-backed mapped pages included), "cgroup_peak_bytes" (with a limit: peak of
-    the cgroup, page cache included), "cmd", "returncode"}; a run killed by the limit has a
-    non-zero returncode and None timings. Raises FileNotFoundError (no build),
+    the cgroup, page cache included), "oom_kills" (with a limit: processes the OOM killer
+    ended), "cmd", "returncode"}; a run killed by the limit has a non-zero returncode and None
+    timings. Raises FileNotFoundError (no build),
     PermissionError (memory_limit given but cgroups are not writable)."""
     if drop_cache:
         drop_file_cache(gguf)
@@ -225,6 +232,7 @@ def run_completion(
         "n_gen": perf["eval"][1] + 1 if "eval" in perf else None,  # +1: sampled after prefill
         "peak_rss_bytes": int(rss[1]) * 1024 if rss else None,
         "cgroup_peak_bytes": cg.get("peak_bytes") if cg else None,
+        "oom_kills": cg.get("oom_kills") if cg else None,
         "memory_limit": memory_limit,
         "returncode": res.returncode,
         "cmd": cmd,

@@ -1,0 +1,653 @@
+"""llama.cpp as the peer on the very same weights (issue 8, item 2).
+
+A synthetic Mixtral-8x7B-shaped Q4_0 store (tools/synth_store.py, real layer shapes, fewer
+layers) is exported to GGUF with the store's own blocks (colibri/export_gguf.py), so both
+engines multiply identical bytes. Two scenarios, same thread count for both engines:
+
+1. Fits in RAM: every expert resident (colibri's budget >= the store). llama.cpp's own
+   llama-bench (pp N / tg M) against colibri's engine in a child process (all experts loaded
+   first, then prefill of N tokens and decode of M tokens timed separately), rounds
+   interleaved. Bound: active weight bytes per token / memory bandwidth.
+2. Bigger than the memory limit: a model ~2x a cgroup memory limit (made here for our own child
+   processes; the page cache is charged to it). llama.cpp's llama-completion with its default
+   mmap, once with its default Q4_0 repack and once with --no-repack; colibri with an expert
+   budget that fits under the limit with its dense weights, KV cache and the interpreter. The
+   model files' cached pages are dropped before each run. Bound: disk bandwidth / the bytes
+   colibri reads per token.
+
+Both colibri runs are child processes (`python -m bench.sec_llama --child ...`), so their
+memory is measured and limited the way llama.cpp's is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import llama_cpp
+from bench.report import ROOT, Context, Headline, Section, fmt, interleave, median, table
+
+TITLE = "llama.cpp on the same weights"
+MODEL = "mixtral-8x7b"
+PROMPT = "The history of the hummingbird begins in the forests of South America, where"
+# interpreter, numpy, colibri's modules, thread stacks, KV cache and pipeline buffers: what a
+# colibri process holds besides its dense weights and expert slabs (peak RSS minus those two
+# measured ~0.1 GB here; the rest is headroom for the page cache the cgroup is charged for)
+COLIBRI_OVERHEAD = 192 << 20
+
+
+# ---- pure figures (unit-tested) -----------------------------------------------------------
+
+
+def active_bytes_per_token(
+    dense_nbytes: dict[str, int],
+    embedding: str,
+    vocab_size: int,
+    num_layers: int,
+    top_k: int,
+    expert_nbytes: int,
+) -> int:
+    """Weight bytes one decoded token reads: every dense tensor except the token embedding
+    (attention, norms, routers, the LM head), one row of the embedding, and top_k experts per
+    layer (expert_nbytes: one expert's gate+up+down bytes, padding excluded).
+    Raises KeyError when `embedding` is not among dense_nbytes."""
+    emb = dense_nbytes[embedding]
+    return sum(dense_nbytes.values()) - emb + emb // vocab_size + num_layers * top_k * expert_nbytes
+
+
+def colibri_budget(
+    limit: int, dense_nbytes: int, record_nbytes: int, overhead: int = COLIBRI_OVERHEAD
+) -> int:
+    """Largest expert budget (a whole number of records, bytes) such that dense weights +
+    budget + overhead stay within `limit` bytes; 0 when not even one record fits."""
+    spare = limit - dense_nbytes - overhead
+    return max(0, spare // record_nbytes) * record_nbytes
+
+
+# ---- colibri child process ----------------------------------------------------------------
+
+
+async def _child(a: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from colibri.engine import EngineOptions, open_engine
+
+    opts: dict[str, Any] = dict(budget=a.budget, threads=a.threads, n_ctx=a.n_ctx)
+    if a.activations:
+        opts["activations"] = a.activations
+    if "activations" in opts and "activations" not in EngineOptions.__dataclass_fields__:
+        raise SystemExit("this colibri has no engine option 'activations'")
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    async with open_engine(a.store, **opts) as eng:
+        out["open_s"] = time.perf_counter() - t0
+        if a.warm:  # every expert resident before timing: the "fits in RAM" case
+            t1 = time.perf_counter()
+            for rec in eng.store.records:
+                (await eng.cache.get(rec.layer, rec.expert)).release()
+            out["warm_s"] = time.perf_counter() - t1
+        rng = np.random.default_rng(0)
+        if a.n_prompt:
+            prompt = rng.integers(10, eng.spec.vocab_size, a.n_prompt).tolist()
+            await eng.forward(eng.new_sequence(), prompt[:8])  # kernels and thread pool up
+            samples = []
+            for _ in range(a.prefill_reps):
+                seq = eng.new_sequence()
+                t1 = time.perf_counter()
+                await eng.forward(seq, prompt)
+                samples.append(a.n_prompt / (time.perf_counter() - t1))
+            out["pp_samples"] = samples
+            out["pp_tok_s"] = float(np.median(samples))
+        if a.n_gen:
+            seq = eng.new_sequence()
+            bos = eng.store.config.get("bos_token_id") or 1
+            ids = eng.encode_prompt(a.text) if a.text else [bos]
+            t1 = time.perf_counter()
+            logits = await eng.forward(seq, ids)
+            out["n_prompt_decode"] = len(ids)
+            out["prompt_s"] = time.perf_counter() - t1
+            c0, io0, comp0 = eng.cache.statistics(), eng.pipeline.times.wait_io, \
+                eng.pipeline.times.compute  # fmt: skip
+            t1 = time.perf_counter()
+            for _ in range(a.n_gen):
+                logits = await eng.forward(seq, [int(np.argmax(logits))])
+            dt = time.perf_counter() - t1
+            c1 = eng.cache.statistics()
+            gets = (c1.hits - c0.hits) + (c1.misses - c0.misses)
+            out |= {
+                "tg_tok_s": a.n_gen / dt,
+                "decode_s": dt,
+                "hit_rate": (c1.hits - c0.hits) / gets if gets else 1.0,
+                "bytes_read_per_token": (c1.bytes_read - c0.bytes_read) / a.n_gen,
+                "wait_io_s_per_token": (eng.pipeline.times.wait_io - io0) / a.n_gen,
+                "compute_s_per_token": (eng.pipeline.times.compute - comp0) / a.n_gen,
+            }
+        st = eng.cache.statistics()
+        out |= {
+            "budget": st.budget_nbytes,
+            "num_slots": st.num_slots,
+            "dense_nbytes": eng.model.dense_nbytes,
+            "reader": eng.reader.statistics().backend,
+        }
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def child_main(argv: list[str]) -> int:
+    """`python -m bench.sec_llama --child STORE ...`: one colibri measurement, JSON on stdout."""
+    ap = argparse.ArgumentParser(prog="bench.sec_llama --child")
+    ap.add_argument("store")
+    ap.add_argument("--budget", type=int, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--n-prompt", type=int, default=0, help="timed prefill of N random tokens")
+    ap.add_argument("--prefill-reps", type=int, default=2)
+    ap.add_argument("--n-gen", type=int, default=0, help="timed greedy decode of N tokens")
+    ap.add_argument("--text", default="", help="decode after this prompt (default: BOS)")
+    ap.add_argument("--warm", action="store_true", help="load every expert before timing")
+    ap.add_argument("--activations", default="")
+    a = ap.parse_args(argv)
+    print(json.dumps(asyncio.run(_child(a))), flush=True)
+    return 0
+
+
+def run_colibri(ctx: Context, args: list[str], limit: int | None = None) -> dict[str, Any]:
+    """Run the colibri child (optionally inside a fresh memory cgroup of `limit` bytes).
+    Returns its JSON, plus "returncode", "cgroup_peak_bytes", "oom_kills", "wall_s"; a failed
+    run has "error" (stderr tail) instead of timings."""
+    cmd = [sys.executable, "-m", "bench.sec_llama", "--child", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if limit:
+        ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + " ".join(cmd))
+        cm = llama_cpp.memory_cgroup(limit)
+    else:
+        ctx.record(cmd)
+        cm = _null()
+    with cm as cg:
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
+                             stdin=subprocess.DEVNULL, check=False,
+                             preexec_fn=llama_cpp._join(cg["procs"]) if cg else None)  # fmt: skip
+        wall = time.perf_counter() - t0
+    out: dict[str, Any] = {"returncode": res.returncode, "wall_s": wall}
+    if res.returncode == 0:
+        out |= json.loads(res.stdout.strip().splitlines()[-1])
+    else:
+        out["error"] = res.stderr[-1500:]
+    if cg:
+        out["cgroup_peak_bytes"] = cg.get("peak_bytes")
+        out["oom_kills"] = cg.get("oom_kills")
+    return out
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# ---- models -------------------------------------------------------------------------------
+
+
+def ensure_model(
+    ctx: Context, layers: int, want_gguf: bool
+) -> tuple[Path | None, Path | None, str]:
+    """The Mixtral-shaped Q4_0 store with `layers` layers under ctx.work/llama (made by
+    tools/synth_store.py if missing) and its GGUF (colibri export-gguf) when want_gguf.
+    Returns (store, gguf, note); a path is None when it could not be made (note says why)."""
+    d = ctx.work / "llama"
+    d.mkdir(parents=True, exist_ok=True)
+    store = d / f"{MODEL}-L{layers}-q4_0"
+    gguf = d / f"{store.name}.gguf"
+    est = int(0.3e9 + 0.84e9 * layers)  # dense (embeddings, LM head) + per layer
+    need = (0 if (store / "manifest.json").exists() else est) + (
+        0 if gguf.exists() or not want_gguf else est)  # fmt: skip
+    if need and ctx.free_bytes() < need + (2 << 30):
+        return None, None, f"not enough free space under {ctx.work} ({need / 1e9:.1f} GB needed)"
+    if not (store / "manifest.json").exists():
+        ctx.log(f"making {store.name} (~{est / 1e9:.1f} GB)")
+        cmd = [sys.executable, str(ROOT / "tools/synth_store.py"), MODEL, str(store),
+               "--layers", str(layers), "--force"]  # fmt: skip
+        ctx.run(["nice", *cmd])
+    if want_gguf and not gguf.exists():
+        ctx.log(f"exporting {gguf.name}")
+        ctx.run(["nice", sys.executable, "-m", "colibri", "export-gguf", str(store), str(gguf)],
+                cwd=ROOT)  # fmt: skip
+    return store, gguf if want_gguf else None, ""
+
+
+def store_figures(store_path: Path) -> dict[str, Any]:
+    """Sizes of a store: total/dense/record bytes and active weight bytes per token."""
+    from colibri.io.format import open_store, tensor_nbytes
+
+    st = open_store(store_path)
+    cfg = st.config
+    dense = {n: tensor_nbytes(i["qtype"], i["shape"]) for n, i in st.manifest["dense"].items()}
+    expert = sum(t.nbytes for t in st.layout.tensors.values())
+    return {
+        "layers": cfg["num_hidden_layers"],
+        "store_nbytes": sum(dense.values()) + len(st.records) * st.layout.record_nbytes,
+        "dense_nbytes": sum(dense.values()),
+        "record_nbytes": st.layout.record_nbytes,
+        "num_records": len(st.records),
+        "active_bytes_per_token": active_bytes_per_token(
+            dense,
+            "model.embed_tokens.weight",
+            cfg["vocab_size"],
+            cfg["num_hidden_layers"],
+            cfg["num_experts_per_tok"],
+            expert,
+        ),
+    }
+
+
+def _variants() -> list[str]:
+    """colibri activation modes to measure: both when the engine has the option."""
+    from colibri.engine import EngineOptions
+
+    return ["f32", "q8_0"] if "activations" in EngineOptions.__dataclass_fields__ else [""]
+
+
+def _memory_gbps(ctx: Context) -> float:
+    """Memory bandwidth, GB/s (numpy copy, read + write bytes), from bench.sec_limits."""
+    try:
+        from bench import sec_limits
+
+        return sec_limits.memory_gbps(ctx)
+    except ImportError:  # the limits section has not landed: measure memory here
+        import numpy as np
+
+        a = np.ones(1 << 27)
+        b = np.empty_like(a)
+        best = min(_timed(lambda: np.copyto(b, a)) for _ in range(3))
+        return 2 * a.nbytes / best / 1e9
+
+
+def _fio_gbps(ctx: Context, experts: Path) -> float:
+    """The disk's limit for colibri's reads, measured in the same rounds: fio random 4 MiB
+    O_DIRECT reads (io_uring, QD 32, 512 MiB) of the store's own experts file (read-only);
+    records of ~95 MiB are read in such pieces. GB/s. Raises CalledProcessError (fio failed)."""
+    from bench import io as bench_io
+
+    rec, qd, total, size = 4 << 20, 32, 512 << 20, experts.stat().st_size
+    ctx.record(f"fio --rw=randread --bs={rec} --iodepth={qd} --ioengine=io_uring --direct=1 "
+               f"--fixedbufs=1 --size={size} --io_size={total} --filename={experts}")  # fmt: skip
+    return bench_io.run_fio(str(experts), rec, qd, total, size, seed=len(ctx.commands))
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- the section --------------------------------------------------------------------------
+
+
+def run(ctx: Context) -> Section:
+    quick = ctx.quick
+    # quick: 1.1 GB in RAM, 1.95 GB under a 0.9 GiB limit; full: 1.95 GB, 3.6 GB under 1.7 GiB
+    fits_layers, big_layers = (1, 2) if quick else (2, 4)
+    n_prompt, n_gen, reps = (64, 16, 1) if quick else (128, 32, 2)
+    big_gen = 6 if quick else 16
+    try:
+        bindir: Path | None = llama_cpp.llama_bin_dir()
+        llama_cpp._exe("llama-bench")
+    except FileNotFoundError:
+        bindir = None
+    have_llama = bindir is not None
+    data: dict[str, Any] = {"llama_cpp_bin": str(bindir) if bindir else None,
+                            "threads": ctx.threads}  # fmt: skip
+    md: list[str] = []
+    if not have_llama:
+        md.append("**llama.cpp is not built**, so only colibri's figures are shown. Build it "
+                  "once with `tools/build_llama_cpp.sh` (about 30 minutes on this machine; "
+                  "cached under ~/.cache/colibri) and rerun.\n")  # fmt: skip
+    mem_gbps = _memory_gbps(ctx)
+    data["mem_gbps"] = mem_gbps
+    variants = _variants()
+    vname = {v: f"colibri ({v} activations)" if v else "colibri" for v in variants}
+    heads: list[Headline] = []
+
+    # -- 1. fits in RAM ---------------------------------------------------------------------
+    fits: dict[str, Any] = {}
+    store, gguf, note = ensure_model(ctx, fits_layers, have_llama)
+    if store is None:
+        md.append(f"_Fits-in-RAM benchmark skipped: {note}._\n")
+    else:
+        sf = store_figures(store)
+        fits |= {"store": str(store), "gguf": str(gguf) if gguf else None, **sf,
+                 "n_prompt": n_prompt, "n_gen": n_gen}  # fmt: skip
+        bound = mem_gbps * 1e9 / sf["active_bytes_per_token"] if mem_gbps else None
+        fits["bound_tok_s"] = bound
+        runs: dict[str, Any] = {}
+        raw: dict[str, list[dict[str, Any]]] = {}
+        if gguf is not None:
+
+            def llama() -> float:
+                r = llama_cpp.run_llama_bench(gguf, ctx.threads, n_prompt, n_gen, reps)
+                ctx.record(r.pop("cmd"))
+                raw.setdefault("llama.cpp", []).append(r)
+                return r["tg_tok_s"]
+
+            runs["llama.cpp"] = llama
+        for v in variants:
+
+            def col(v: str = v) -> float:
+                args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads",
+                        str(ctx.threads), "--n-ctx", str(n_prompt + n_gen + 8), "--n-prompt",
+                        str(n_prompt), "--n-gen", str(n_gen), "--warm"]  # fmt: skip
+                if v:
+                    args += ["--activations", v]
+                r = run_colibri(ctx, args)
+                raw.setdefault(vname[v], []).append(r)
+                if r["returncode"]:
+                    raise RuntimeError(f"colibri child failed: {r['error']}")
+                return r["tg_tok_s"]
+
+            runs[vname[v]] = col
+        ctx.log(f"fits in RAM: {store.name}, pp{n_prompt} tg{n_gen}, {ctx.rounds} rounds")
+        interleave(runs, ctx.rounds, ctx.log)
+        fits["runs"] = raw
+        med = {name: {"tg": median([r["tg_tok_s"] for r in rs]),
+                      "pp": median([r["pp_tok_s"] for r in rs])}
+               for name, rs in raw.items()}  # fmt: skip
+        fits["medians"] = med
+        best_tg = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["tg"])
+        best_pp = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["pp"])
+        peer = med.get("llama.cpp", {"tg": None, "pp": None})
+        fits |= {"best_decode": best_tg, "best_prefill": best_pp}
+        heads += [
+            Headline("Decode, model fits in RAM", "tok/s", med[best_tg]["tg"], peer["tg"], bound,
+                     "memory bandwidth bound", "≥ 0.8× llama.cpp",
+                     f"{sf['store_nbytes'] / 1e9:.2f} GB Mixtral-shaped Q4_0; {best_tg}"),
+            Headline("Prefill, model fits in RAM", "tok/s", med[best_pp]["pp"], peer["pp"],
+                     note=f"{n_prompt}-token prompt; {best_pp}; compute-bound"),
+        ]  # fmt: skip
+        rows = []
+        for name, m in med.items():
+            rows.append([name, m["tg"], m["pp"],
+                         "—" if not peer["tg"] else f"{m['tg'] / peer['tg']:.2f}×",
+                         "—" if not peer["pp"] else f"{m['pp'] / peer['pp']:.2f}×",
+                         "—" if not bound else f"{m['tg'] / bound:.0%}"])  # fmt: skip
+        md += [
+            "### Model fits in RAM",
+            "",
+            f"Model: synthetic {MODEL}-shaped store with {sf['layers']} layers (real layer "
+            f"shapes, Q4_0 experts, Q8_0 attention and embeddings), "
+            f"{sf['store_nbytes'] / 1e9:.2f} GB; the GGUF holds the same blocks. "
+            f"{ctx.threads} threads for both. llama.cpp: `llama-bench -p {n_prompt} -n {n_gen} "
+            f"-r {reps}` (its pp and tg tests; tg starts from an empty context). colibri: a child "
+            f"process opens the store with a budget ≥ the store, loads every expert, then times "
+            f"a {n_prompt}-token prefill (median of 2) and {n_gen} greedy decode steps "
+            f"separately. Medians of {ctx.rounds} interleaved rounds. The bound is "
+            f"{sf['active_bytes_per_token'] / 1e6:.0f} MB of weights read per token (top-2 "
+            f"experts per layer, all attention, the LM head) at {fmt(mem_gbps)} GB/s.",
+            "",
+            table(
+                [
+                    "engine",
+                    "decode tok/s",
+                    "prefill tok/s",
+                    "decode vs llama.cpp",
+                    "prefill vs llama.cpp",
+                    "decode of bound",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        if peer["tg"] and med[best_tg]["tg"] < 0.8 * peer["tg"]:
+            r = raw[best_tg][-1]
+            md.append(f"colibri's decode is below the 0.8× target. Where the time goes "
+                      f"({best_tg}, last round): {r['compute_s_per_token'] * 1e3:.1f} ms/token in "
+                      f"kernels, {r['wait_io_s_per_token'] * 1e3:.1f} ms/token waiting for "
+                      f"records, out of {1e3 / r['tg_tok_s']:.1f} ms/token.\n")  # fmt: skip
+    data["fits"] = fits
+    panels: list[dict[str, Any]] = []
+    if fits.get("medians"):
+        med = fits["medians"]
+        panels += [
+            {"title": "Decode, model fits in RAM", "bars": {n: m["tg"] for n, m in med.items()},
+             "limit": fits["bound_tok_s"], "limit_name": "memory-bandwidth bound"},
+            {"title": "Prefill, model fits in RAM", "bars": {n: m["pp"] for n, m in med.items()}},
+        ]  # fmt: skip
+    best_variant = next((v for v in variants if vname[v] == fits.get("best_decode")),
+                        variants[-1])  # fmt: skip
+    cname = vname[best_variant]
+
+    # -- 2. bigger than the memory limit ----------------------------------------------------
+    big: dict[str, Any] = {}
+    store, gguf, note = ensure_model(ctx, big_layers, have_llama)
+    if store is None:
+        md.append(f"_Bigger-than-the-limit benchmark skipped: {note}._\n")
+    else:
+        sf = store_figures(store)
+        limit = sf["store_nbytes"] // 2 // (1 << 20) << 20
+        budget = colibri_budget(limit, sf["dense_nbytes"], sf["record_nbytes"])
+        ctx_len = 128
+        big |= {"store": str(store), "gguf": str(gguf) if gguf else None, **sf,
+                "limit_bytes": limit, "colibri_budget": budget, "n_gen": big_gen}  # fmt: skip
+        files = [store / "experts.bin", store / "dense.safetensors"]
+        raw = {}
+
+        def llama_run(name: str, extra: list[str]) -> float:
+            r = llama_cpp.run_completion(gguf, PROMPT, big_gen, ctx.threads, memory_limit=limit,
+                                         extra=["-c", str(ctx_len), *extra])  # fmt: skip
+            ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + " ".join(r.pop("cmd")))
+            raw.setdefault(name, []).append(r)
+            return r["decode_tok_s"] or 0.0
+
+        def colibri_run() -> float:
+            for f in files:
+                llama_cpp.drop_file_cache(f)
+            args = [
+                str(store),
+                "--budget",
+                str(budget),
+                "--threads",
+                str(ctx.threads),
+                "--n-ctx",
+                str(ctx_len),
+                "--n-gen",
+                str(big_gen),
+                "--text",
+                PROMPT,
+            ]
+            v = best_variant
+            if v:
+                args += ["--activations", v]
+            r = run_colibri(ctx, args, limit)
+            raw.setdefault(cname, []).append(r)
+            return r.get("tg_tok_s") or 0.0
+
+        ctx.log(f"2x the memory limit: {store.name} under {limit / 2**30:.2f} GiB, "
+                f"{big_gen} tokens")  # fmt: skip
+        fio_runs: list[float] = []
+
+        def fio() -> float:
+            fio_runs.append(_fio_gbps(ctx, store / "experts.bin"))
+            return fio_runs[-1]
+
+        runs = {"fio (disk limit)": fio}
+        if gguf is not None:
+            # the default repack is deterministic (killed or not): one run records the outcome
+            llama_run("llama.cpp (default mmap + repack)", [])
+            runs["llama.cpp (mmap, --no-repack)"] = lambda: llama_run(
+                "llama.cpp (mmap, --no-repack)", ["--no-repack"]
+            )
+        if budget:
+            runs[cname] = colibri_run
+        else:
+            md.append(f"_colibri skipped: dense weights ({sf['dense_nbytes'] / 1e9:.2f} GB) "
+                      f"and overhead leave no room for an expert under the limit._\n")  # fmt: skip
+        interleave(runs, ctx.rounds, ctx.log)
+        big["runs"] = raw
+        summary = {}
+        for name, rs in raw.items():
+            ok = [r for r in rs if r["returncode"] == 0]
+            summary[name] = {
+                "tg": median([r["decode_tok_s" if "decode_tok_s" in r else "tg_tok_s"]
+                              for r in ok]),
+                "peak_rss": median([r["peak_rss_bytes"] for r in ok]) if ok else
+                max((r.get("peak_rss_bytes") or 0 for r in rs), default=None),
+                "cgroup_peak": max((r.get("cgroup_peak_bytes") or 0 for r in rs), default=None),
+                "oom_kills": sum(r.get("oom_kills") or 0 for r in rs),
+                "runs": len(rs), "ok": len(ok),
+            }  # fmt: skip
+        big["summary"] = summary
+        col = [r for r in raw.get(cname, []) if r["returncode"] == 0]
+        bpt = median([r["bytes_read_per_token"] for r in col]) if col else None
+        disk = median(fio_runs)
+        bound = disk * 1e9 / bpt if disk and bpt else None
+        big |= {"disk_gbps": disk, "disk_runs": fio_runs, "bytes_read_per_token": bpt,
+                "bound_tok_s": bound}  # fmt: skip
+        peers = {n: m["tg"] for n, m in summary.items() if n.startswith("llama") and m["tg"]}
+        peer_name = max(peers, key=peers.get) if peers else None
+        c = summary.get(cname, {}).get("tg")
+        panels.append({"title": "Decode, model 2× the memory limit",
+                       "bars": {n: m["tg"] for n, m in summary.items()},
+                       "missing": {n: "OOM-killed" if m["oom_kills"] else "failed"
+                                   for n, m in summary.items() if not m["tg"]},
+                       "limit": bound, "limit_name": "storage bound"})  # fmt: skip
+        heads.append(Headline(
+            "Decode, model 2× the memory limit", "tok/s", c, peers.get(peer_name), bound,
+            "storage bound" if bound else "", "≥ 3× llama.cpp",
+            f"{sf['store_nbytes'] / 1e9:.2f} GB model, {limit / 2**30:.2f} GiB cgroup limit; "
+            f"peer: {peer_name or 'did not run'}"))  # fmt: skip
+        rows = []
+        for name, sm in summary.items():
+            status = "ok" if sm["ok"] == sm["runs"] else (
+                f"killed by the OOM killer ({sm['oom_kills']}×)" if sm["oom_kills"]
+                else f"failed {sm['runs'] - sm['ok']}/{sm['runs']}")  # fmt: skip
+            rows.append([name, sm["tg"],
+                         "—" if not (c and sm["tg"]) else f"{c / sm['tg']:.2f}×",
+                         _gb(sm["peak_rss"]), _gb(sm["cgroup_peak"]), status])  # fmt: skip
+        md += [
+            "### Model bigger than the memory limit",
+            "",
+            f"Model: the same shapes with {sf['layers']} layers, {sf['store_nbytes'] / 1e9:.2f} "
+            f"GB, run inside a cgroup (v1 `memory.limit_in_bytes` / v2 `memory.max`, made by "
+            f"this script for its own child process) limited to {limit / 2**30:.2f} GiB; "
+            f"the cgroup is charged for page cache too, and the model files' cached pages are "
+            f"dropped before each run. llama.cpp: `llama-completion -no-cnv -c {ctx_len}` "
+            f"with its default mmap, {big_gen} greedy tokens after a short prompt; its "
+            f"default Q4_0 repack copies the weights into anonymous memory, so it is also run "
+            f"with `--no-repack`, which keeps them on the mmap. colibri: expert budget "
+            f"{budget / 1e9:.2f} GB ({budget // sf['record_nbytes']} of {sf['num_records']} "
+            f"records of {sf['record_nbytes'] / 1e6:.0f} MB) beside "
+            f"{sf['dense_nbytes'] / 1e9:.2f} GB of dense weights, O_DIRECT reads (no page "
+            f"cache). Decode tok/s are each engine's decode phase only.",
+            "",
+            table(
+                [
+                    "engine",
+                    "decode tok/s",
+                    "colibri vs it",
+                    "peak RSS GB",
+                    "cgroup peak GB (incl. page cache)",
+                    "outcome",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        if col:
+            r = col[-1]
+            md.append(
+                f"colibri's decode, last run: hit rate {r['hit_rate']:.0%}, "
+                f"{r['bytes_read_per_token'] / 1e6:.0f} MB read per token, "
+                f"{r['wait_io_s_per_token'] * 1e3:.0f} ms/token waiting for the disk and "
+                f"{r['compute_s_per_token'] * 1e3:.0f} ms/token in kernels, of "
+                f"{1e3 / r['tg_tok_s']:.0f} ms/token"
+                + (
+                    f"; storage bound {bound:.2f} tok/s ({disk:.2f} GB/s disk / "
+                    f"{bpt / 1e6:.0f} MB per token)."
+                    if bound
+                    else "."
+                )
+            )
+            if peers and c and c < 3 * peers[peer_name]:
+                md.append(" colibri falls short of the 3× target: see the split above.")
+            md.append("\n")
+    data["big"] = big
+    figs = _plots(ctx, panels, big)
+    return Section(key="llama", title=TITLE, markdown="\n".join(md), data=data, figures=figs,
+                   headlines=heads)  # fmt: skip
+
+
+def _wrap(name: str) -> str:
+    return name.replace(" (", "\n(").replace(", ", ",\n")
+
+
+def _gb(x: float | None) -> str:
+    return f"{x / 1e9:.2f}" if x else "—"
+
+
+def _plots(ctx: Context, panels: list[dict[str, Any]], big: dict[str, Any]) -> list[str]:
+    """llama_speed.png: tok/s bars per engine for each scenario, the bound dashed;
+    llama_memory.png: peak RSS and cgroup peak per engine under the limit."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.6), squeeze=False)
+        for ax, p in zip(axes[0], panels, strict=True):
+            names = list(p["bars"])
+            vals = [p["bars"][n] or 0.0 for n in names]
+            colors = ["tab:orange" if n.startswith("llama") else "tab:blue" for n in names]
+            bars = ax.bar(range(len(names)), vals, color=colors)
+            for n, b, v in zip(names, bars, vals, strict=True):
+                label = f"{v:.3g}" if v else p.get("missing", {}).get(n, "n/a")
+                ax.annotate(label, (b.get_x() + b.get_width() / 2, v), ha="center",
+                            va="bottom", fontsize=9)  # fmt: skip
+            if p.get("limit"):
+                ax.axhline(p["limit"], ls="--", color="k",
+                           label=f"{p['limit_name']} {p['limit']:.3g}")  # fmt: skip
+                ax.legend(loc="upper left", fontsize=8)
+            ax.set_xticks(range(len(names)), [_wrap(n) for n in names], fontsize=8)
+            ax.set_title(p["title"], fontsize=10)
+            ax.set_ylabel("tokens / s")
+            ax.set_ylim(0, max([*vals, p.get("limit") or 0]) * 1.25 or 1)
+        fig.suptitle(f"colibri vs llama.cpp on the same GGUF weights, {ctx.threads} threads")
+        fig.tight_layout()
+        fig.savefig(ctx.figure("llama_speed.png"), dpi=110)
+        plt.close(fig)
+        figs.append("llama_speed.png")
+    summ = big.get("summary")
+    if summ:
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        names = list(summ)
+        x = range(len(names))
+        rss = [(summ[n]["peak_rss"] or 0) / 2**30 for n in names]
+        cg = [(summ[n]["cgroup_peak"] or 0) / 2**30 for n in names]
+        ax.bar([i - 0.2 for i in x], rss, 0.4, label="peak RSS")
+        ax.bar([i + 0.2 for i in x], cg, 0.4, label="cgroup peak (incl. page cache)")
+        ax.axhline(big["limit_bytes"] / 2**30, ls="--", color="r", label="memory limit")
+        ax.axhline(big["store_nbytes"] / 2**30, ls=":", color="k", label="model size")
+        ax.set_xticks(list(x), [_wrap(n) for n in names], fontsize=8)
+        ax.set_ylabel("GiB")
+        ax.set_ylim(0, big["store_nbytes"] / 2**30 * 1.35)
+        ax.set_title("Peak memory under the cgroup limit (model 2× the limit)")
+        ax.legend(fontsize=8, loc="upper right", ncols=2)
+        fig.tight_layout()
+        fig.savefig(ctx.figure("llama_memory.png"), dpi=110)
+        plt.close(fig)
+        figs.append("llama_memory.png")
+    return figs
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        raise SystemExit(child_main(sys.argv[2:]))
+    raise SystemExit("usage: python -m bench.sec_llama --child STORE ... (or: colibri bench)")
