@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -55,7 +56,18 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def run_fio(path: str, rec: int, qd: int, total: int, file_nbytes: int, seed: int) -> float:
+def run_fio(
+    path: str,
+    rec: int,
+    qd: int,
+    total: int,
+    file_nbytes: int,
+    seed: int,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> float:
+    """GB/s (1e9 B/s) of fio random O_DIRECT reads (io_uring) of `rec` bytes at queue depth `qd`,
+    `total` bytes from the first `file_nbytes` of `path`. `run` runs the command (the bench suite
+    passes its recording runner). Raises CalledProcessError when fio fails."""
     cmd = [
         "fio",
         "--name=colibri",
@@ -76,13 +88,17 @@ def run_fio(path: str, rec: int, qd: int, total: int, file_nbytes: int, seed: in
         f"--randseed={seed}",
         "--output-format=json",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = run(cmd, capture_output=True, text=True, check=True).stdout
     job = json.loads(out[out.index("{") :])["jobs"][0]["read"]
     return job["io_bytes"] / (job["runtime"] / 1000) / 1e9
 
 
-async def run_reader(path: str, backend: str, rec: int, qd: int, offsets: list[int]) -> tuple:
-    pool = SlabPool(rec, qd)
+async def run_reader(
+    path: str, backend: str, rec: int, qd: int, offsets: list[int], backing: str = "auto"
+) -> tuple:
+    """(GB/s, reader statistics) of `backend` reading `rec` bytes at each offset, `qd` in flight,
+    into a SlabPool of the given backing ("auto": huge pages when possible, "normal": 4 KiB)."""
+    pool = SlabPool(rec, qd, backing=backing)
     reader = open_reader(path, backend, pool=pool, queue_depth=qd)
     it = iter(offsets)
 

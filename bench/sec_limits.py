@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import functools
 import math
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
@@ -28,7 +25,6 @@ from bench import io as bench_io
 from bench import kernels as bench_kernels
 from bench.report import Context, Headline, Section, fmt, interleave, median, table
 from colibri.io.format import ExpertLayout
-from colibri.io.slab import SlabPool
 
 TITLE = "Disk and memory limits"
 
@@ -81,14 +77,7 @@ def ensure_file(ctx: Context) -> tuple[Path | None, str]:
 def fio_gbps(ctx: Context, path: Path, rec: int, qd: int, total: int, seed: int) -> float:
     """GB/s (1e9 B/s) of fio random reads of `rec` bytes at queue depth `qd`, `total` bytes; the
     exact fio command goes to the report (bench/io.py run_fio runs it)."""
-    run = subprocess.run
-
-    def recorded(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
-        ctx.record(cmd)
-        return run(cmd, **kw)
-
-    with mock.patch.object(bench_io.subprocess, "run", recorded):
-        return bench_io.run_fio(str(path), rec, qd, total, path.stat().st_size, seed)
+    return bench_io.run_fio(str(path), rec, qd, total, path.stat().st_size, seed, run=ctx.run)
 
 
 def reader_gbps(
@@ -102,9 +91,7 @@ def reader_gbps(
     num_reads = min(num_records, max(qd, total // rec))
     rng = np.random.default_rng(seed)
     offsets = [int(i) * rec for i in rng.permutation(num_records)[:num_reads]]
-    pool = functools.partial(SlabPool, backing=backing)
-    with mock.patch.object(bench_io, "SlabPool", pool):
-        gbs, _stats = asyncio.run(bench_io.run_reader(str(path), "uring", rec, qd, offsets))
+    gbs, _stats = asyncio.run(bench_io.run_reader(str(path), "uring", rec, qd, offsets, backing))
     return gbs
 
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp
+from bench import llama_cpp, sec_limits
 from bench.report import ROOT, Context, Headline, Section, fmt, interleave, median, table
 
 TITLE = "llama.cpp on the same weights"
@@ -259,37 +259,11 @@ def _variants() -> list[str]:
     return ["f32", "q8_0"] if "activations" in EngineOptions.__dataclass_fields__ else [""]
 
 
-def _memory_gbps(ctx: Context) -> float:
-    """Memory bandwidth, GB/s (numpy copy, read + write bytes), from bench.sec_limits."""
-    try:
-        from bench import sec_limits
-
-        return sec_limits.memory_gbps(ctx)
-    except ImportError:  # the limits section has not landed: measure memory here
-        import numpy as np
-
-        a = np.ones(1 << 27)
-        b = np.empty_like(a)
-        best = min(_timed(lambda: np.copyto(b, a)) for _ in range(3))
-        return 2 * a.nbytes / best / 1e9
-
-
 def _fio_gbps(ctx: Context, experts: Path) -> float:
     """The disk's limit for colibri's reads, measured in the same rounds: fio random 4 MiB
     O_DIRECT reads (io_uring, QD 32, 512 MiB) of the store's own experts file (read-only);
     records of ~95 MiB are read in such pieces. GB/s. Raises CalledProcessError (fio failed)."""
-    from bench import io as bench_io
-
-    rec, qd, total, size = 4 << 20, 32, 512 << 20, experts.stat().st_size
-    ctx.record(f"fio --rw=randread --bs={rec} --iodepth={qd} --ioengine=io_uring --direct=1 "
-               f"--fixedbufs=1 --size={size} --io_size={total} --filename={experts}")  # fmt: skip
-    return bench_io.run_fio(str(experts), rec, qd, total, size, seed=len(ctx.commands))
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return sec_limits.fio_gbps(ctx, experts, 4 << 20, 32, 512 << 20, seed=len(ctx.commands))
 
 
 # ---- the section --------------------------------------------------------------------------
@@ -314,7 +288,7 @@ def run(ctx: Context) -> Section:
         md.append("**llama.cpp is not built**, so only colibri's figures are shown. Build it "
                   "once with `tools/build_llama_cpp.sh` (about 30 minutes on this machine; "
                   "cached under ~/.cache/colibri) and rerun.\n")  # fmt: skip
-    mem_gbps = _memory_gbps(ctx)
+    mem_gbps = sec_limits.memory_gbps(ctx)
     data["mem_gbps"] = mem_gbps
     variants = _variants()
     vname = {v: f"colibri ({v} activations)" if v else "colibri" for v in variants}
