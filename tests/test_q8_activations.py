@@ -63,6 +63,28 @@ def test_matmul_q8_vs_numpy(isa, qt, rows, cols, n):
 
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+def test_matmul_q8_gemm_tiles_and_extremes(isa, qt):
+    """The batch (GEMM) path: 8-row tiles with a 5-row tail, 4-row x tiles with a tail, x rows
+    past the 64-row panel, chunks starting mid-matrix (2 threads); weights and x at the
+    integer extremes (Q4_0 nibbles 0 and 15, Q8_0 +-127, x +-127) where int16 sums peak."""
+    rng = np.random.default_rng(5)
+    rows, cols, n = 229, 1056, 70
+    data, _w = random_weights(rng, qt, rows, cols)
+    raw = data.view(np.uint8).reshape(rows, cols // 32, -1)
+    if qt == ops.QType.Q4_0:
+        raw[:8, :, 2:] = rng.choice(np.array([0x00, 0xFF], np.uint8), raw[:8, :, 2:].shape)
+    else:
+        raw[:8, :, 2:] = rng.choice(np.array([127, 129], np.uint8), raw[:8, :, 2:].shape)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[:5] = np.sign(x[:5])  # every element quantizes to +-127
+    xq = ops.quantize_act(x)
+    want, mag = q8_reference(data, qt, x)
+    for t in (1, 2):
+        y = ops.matmul_q8(data, qt, xq, np.full((n, rows), np.nan, np.float32), nthreads=t)
+        assert np.max(np.abs(y - want) / mag) <= MATMUL_TOL
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
 def test_matmul_q8_threads_and_1d(isa, qt):
     """Rows not a multiple of the 16-row tile, several chunks: the same bits for 1 and 2
     threads (chunks are fixed by the row count), 1-D xq/out as matvec."""
