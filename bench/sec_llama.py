@@ -341,7 +341,8 @@ def run(ctx: Context) -> Section:
         best_tg = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["tg"])
         best_pp = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["pp"])
         peer = med.get("llama.cpp", {"tg": None, "pp": None})
-        fits |= {"best_decode": best_tg, "best_prefill": best_pp}
+        build = (raw.get("llama.cpp") or [{}])[0].get("build_commit")
+        fits |= {"best_decode": best_tg, "best_prefill": best_pp, "llama_cpp_commit": build}
         heads += [
             Headline("Decode, model fits in RAM", "tok/s", med[best_tg]["tg"], peer["tg"], bound,
                      "memory bandwidth bound", "≥ 0.8× llama.cpp",
@@ -361,7 +362,8 @@ def run(ctx: Context) -> Section:
             f"Model: synthetic {MODEL}-shaped store with {sf['layers']} layers (real layer "
             f"shapes, Q4_0 experts, Q8_0 attention and embeddings), "
             f"{sf['store_nbytes'] / 1e9:.2f} GB; the GGUF holds the same blocks. "
-            f"{ctx.threads} threads for both. llama.cpp: `llama-bench -p {n_prompt} -n {n_gen} "
+            f"{ctx.threads} threads for both. llama.cpp (commit {build or '?'}, from the "
+            f"llama-cpp-python sdist): `llama-bench -p {n_prompt} -n {n_gen} "
             f"-r {reps}` (its pp and tg tests; tg starts from an empty context). colibri: a child "
             f"process opens the store with a budget ≥ the store, loads every expert, then times "
             f"a {n_prompt}-token prefill (median of 2) and {n_gen} greedy decode steps "
