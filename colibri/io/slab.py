@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,8 +169,8 @@ class SlabPool:
         return len(self._free)
 
     def resident_nbytes(self) -> int:
-        """Bytes of this pool's mapping resident in RAM, measured from /proc/self/smaps."""
-        return _smaps_rss(self.address, self.address + len(self._mm))
+        """Bytes of this pool's mapping resident in RAM, measured page by page (mincore(2))."""
+        return _resident_nbytes(self.address, len(self._mm))
 
     def statistics(self) -> SlabStatistics:
         return SlabStatistics(
@@ -199,15 +201,16 @@ def _thp_mode() -> str:
         return "unknown"
 
 
-def _smaps_rss(start: int, end: int) -> int:
-    """Sum of Rss (bytes) over the /proc/self/smaps entries inside [start, end)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                lo, hi = (int(x, 16) for x in first.split("-"))
-                inside = lo >= start and hi <= end
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _resident_nbytes(address: int, nbytes: int) -> int:
+    """Bytes of [address, address + nbytes) resident in RAM, from mincore(2). (Rss in
+    /proc/self/smaps is per mapping, and the kernel may merge this mapping with a neighbour.)
+    Raises OSError when mincore fails."""
+    page = mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * ((nbytes + page - 1) // page))()
+    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore on the slab pool: {os.strerror(err)}")
+    return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * page
