@@ -1,5 +1,5 @@
-"""Kernel benchmark: matvec and batch-8 matmul per storage format over a weight matrix larger
-than the L3 cache, at 1 thread and all threads, against the memory bandwidth measured in the
+"""Kernel benchmark: matvec, batch-8 and batch-64 matmul per storage format over a weight matrix
+larger than the L3 cache, at 1 thread and all threads, against the memory bandwidth measured in the
 same run; plus small-call latencies (the engine makes ~300 kernel calls a token).
 
     .venv/bin/python bench/kernels.py [--mib 128] [--isa avx2] [--repeat 5]
@@ -105,7 +105,7 @@ def main() -> None:
         rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
         w = make_weights(qt, rows, args.cols, rng)
         acts = ("f32", "q8_0") if qt in ops.Q8_ACT_TYPES else ("f32",)
-        for n, act, t in ((n, a, t) for n in (1, 8) for a in acts for t in sorted({1, nt})):
+        for n, act, t in ((n, a, t) for n in (1, 8, 64) for a in acts for t in sorted({1, nt})):
             x = rng.standard_normal((n, args.cols)).astype(np.float32)
             y = np.empty((n, rows), np.float32)
             xq = np.empty((n, ops.row_nbytes("q8_0", args.cols)), np.uint8)
@@ -135,13 +135,13 @@ def main() -> None:
     for qt in ("q4_0", "q8_0"):
         gate, up = (make_weights(ops.QType.parse(qt), d_ff, d_model, rng) for _ in range(2))
         down = make_weights(ops.QType.parse(qt), d_model, d_ff, rng)
-        for n, q8, t in ((n, q8, t) for n in (1, 8) for q8 in (False, True) for t in {1, nt}):
+        for n, q8, t in ((n, q8, t) for n in (1, 8, 64) for q8 in (False, True) for t in {1, nt}):
             x = rng.standard_normal((n, d_model)).astype(np.float32)
             y, scratch = np.zeros_like(x), np.empty(2 * n * d_ff, np.float32)
             med, best = latency_us(
                 lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
                                        scratch=scratch, act_q8=q8, nthreads=t),  # noqa: B023
-                repeat=500,
+                repeat=500 if n < 64 else 30,
             )  # fmt: skip
             act = "q8_0" if q8 else "f32"
             print(

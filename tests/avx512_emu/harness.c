@@ -97,6 +97,32 @@ int main(void) {
                     cases++;
                     free(wf); free(wd); free(x); free(xd); free(bias); free(sc); free(y0); free(y1); free(w); free(xq);
                 }
+    /* the batch (GEMM) path: x rows past the 64-row panel, rows [5, 45) (an 8-row tile tail,
+     * a start inside a tile) */
+    for (int q = 0; q < 2; q++) {
+        const int64_t rows = 45, cols = 96, n = 70, r0 = 5;
+        int64_t rb = clb_row_nbytes(qq[q], cols), xrb = clb_row_nbytes(CLB_QTYPE_Q8_0, cols);
+        float *wf = malloc(rows * cols * 4), *x = malloc(n * cols * 4), *bias = malloc(rows * 4);
+        float *y0 = calloc(n * rows, 4), *y1 = calloc(n * rows, 4);
+        uint8_t *w = malloc(rows * rb), *xq = malloc(n * xrb);
+        for (int64_t i = 0; i < rows * cols; i++) wf[i] = rnd();
+        for (int64_t i = 0; i < n * cols; i++) x[i] = rnd();
+        for (int64_t i = 0; i < rows; i++) bias[i] = rnd();
+        clb_quantize(qq[q], w, wf, rows, cols);
+        clb_quantize_q8_0_ref(xq, x, n * cols / 32);
+        clb_mmq_rows_ref(qq[q], y0, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
+        clb_mmq_rows_avx512(qq[q], y1, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
+        for (int64_t i = 0; i < n * rows; i++) {
+            double e = fabs(y0[i] - y1[i]) / (1 + fabs(y0[i]));
+            if (e > worst) worst = e;
+            if (!(e <= 2e-6)) {
+                if (bad < 10) printf("q8 act gemm qtype %d: [%ld] ref %g avx512 %g\n", qq[q], (long)i, y0[i], y1[i]);
+                bad++;
+            }
+        }
+        cases++;
+        free(wf); free(x); free(bias); free(y0); free(y1); free(w); free(xq);
+    }
     printf("%d cases, %d mismatches, worst relative error %.2e\n", cases, bad, worst);
     return bad != 0;
 }
