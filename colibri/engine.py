@@ -79,9 +79,10 @@ class EngineOptions:
     """budget: expert cache bytes (None: default_budget). policy: "lru" | "lfu" | "lfru".
     prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
-    each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "f32" (exact) |
-    "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations with integer dot products,
-    as llama.cpp's CPU backend; float weights keep f32)."""
+    each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_0" (default:
+    Q4_0/Q8_0 weights multiply Q8_0-quantized activations with integer dot products, as
+    llama.cpp's CPU backend does; 10% faster decode and 2.5-3x faster prefill here) | "f32"
+    (exact f32 activations); float weights always keep f32."""
 
     budget: int | None = None
     policy: str = "lru"
@@ -90,7 +91,7 @@ class EngineOptions:
     threads: int = 0
     n_ctx: int = DEFAULT_N_CTX
     kv_dtype: str = "f32"
-    activations: str = "f32"
+    activations: str = "q8_0"
     queue_depth: int = 32
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close

@@ -93,12 +93,12 @@ class KVCache:
 class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
-    activations: "f32" (exact) or "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized
-    activations, see ops.matmul_q8; float weights stay f32).
+    activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
+    ops.matmul_q8; float weights stay f32) or "f32" (exact).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
-    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0, activations: str = "f32"):
+    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0, activations: str = "q8_0"):
         self.store, self.spec, self.nthreads = store, spec, nthreads
         if activations not in ("f32", "q8_0"):
             raise ValueError(f"activations={activations!r}: must be f32 or q8_0")

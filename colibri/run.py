@@ -94,10 +94,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--activations",
         choices=("f32", "q8_0"),
-        default="f32",
-        help="f32: exact f32 activations; q8_0: quantize activations to Q8_0 and use integer "
-        "dot products for Q4_0/Q8_0 weights, as llama.cpp (faster, slightly less exact; "
-        "default f32)",
+        default="q8_0",
+        help="q8_0 (default): quantize activations to Q8_0 and use integer dot products for "
+        "Q4_0/Q8_0 weights, as llama.cpp does (faster, slightly less exact); f32: exact f32 "
+        "activations",
     )
 
 

@@ -15,8 +15,15 @@ MIN_GAP = 1e-4  # skip prompts whose router top-k or argmax gap is below this
 PROMPT_LEN, NEW_TOKENS = 32, 32
 
 # Quantized storage, measured over the same greedy continuation (see closing note):
-# mean KL(float || quant) per token and top-1 agreement with the float run.
-QUANT_BOUNDS = {"q8_0": (5e-3, 0.90), "q4_0": (5e-2, 0.80)}
+# mean KL(float || quant) per token and top-1 agreement with the float run, by (storage,
+# activations). Q8_0 activations (the default) add an error of q8_0 weights' size to every
+# matmul input, roughly doubling q8_0 storage's error variance: twice its KL bound.
+QUANT_BOUNDS = {
+    ("q8_0", "f32"): (5e-3, 0.90),
+    ("q8_0", "q8_0"): (1e-2, 0.90),
+    ("q4_0", "f32"): (5e-2, 0.80),
+    ("q4_0", "q8_0"): (5e-2, 0.80),
+}
 
 
 def _prompt(model, seed: int) -> list[int] | None:
@@ -50,15 +57,15 @@ async def test_f32_matches_transformers(hf_pair, tmp_path):
     assert err <= LOGIT_RTOL * scale, f"{model_type}: max err {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("quant", sorted(QUANT_BOUNDS))
-async def test_quantized_close_to_float(hf_pair, tmp_path, quant):
+@pytest.mark.parametrize(("quant", "activations"), sorted(QUANT_BOUNDS))
+async def test_quantized_close_to_float(hf_pair, tmp_path, quant, activations):
     model_type, _model, src, ids = hf_pair
     f32_store, q_store = tmp_path / "f32", tmp_path / quant
     convert(src, f32_store, quant="f32", dense_quant="f32")
     convert(src, q_store, quant=quant, dense_quant="q8_0")
     tokens, ref_logits = await _run(f32_store, ids, NEW_TOKENS)
     # teacher-forced on the float run's tokens, so every position compares like with like
-    async with open_engine(q_store) as engine:
+    async with open_engine(q_store, activations=activations) as engine:
         seq = engine.new_sequence()
         q_logits = [await engine.forward(seq, ids)]
         for tok in tokens[:-1]:
@@ -69,6 +76,6 @@ async def test_quantized_close_to_float(hf_pair, tmp_path, quant):
     logq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
     kl = float((np.exp(logp) * (logp - logq)).sum(axis=1).mean())
     top1 = float((p.argmax(1) == q.argmax(1)).mean())
-    max_kl, min_top1 = QUANT_BOUNDS[quant]
-    print(f"{model_type} {quant}: mean KL {kl:.2e}, top-1 agreement {top1:.3f}")
-    assert kl <= max_kl and top1 >= min_top1, (model_type, quant, kl, top1)
+    max_kl, min_top1 = QUANT_BOUNDS[quant, activations]
+    print(f"{model_type} {quant}/{activations}: mean KL {kl:.2e}, top-1 agreement {top1:.3f}")
+    assert kl <= max_kl and top1 >= min_top1, (model_type, quant, activations, kl, top1)

@@ -213,7 +213,7 @@ async def test_engine_q8_activations_close_to_float(tmp_path):
     convert(src, tmp_path / "q4", quant="q4_0", dense_quant="q8_0")
     tokens, p = await hf_models.engine_greedy(tmp_path / "f32", ids, NEW_TOKENS)
     p = p.astype(np.float64)
-    q_f32 = await _teacher_forced(tmp_path / "q4", ids, tokens, threads=2)
+    q_f32 = await _teacher_forced(tmp_path / "q4", ids, tokens, threads=2, activations="f32")
     q_q8 = await _teacher_forced(tmp_path / "q4", ids, tokens, threads=2, activations="q8_0")
     assert not np.array_equal(q_f32, q_q8)  # the option took effect
     kl_f32, kl_q8, kl_between = _kl(p, q_f32), _kl(p, q_q8), _kl(q_f32, q_q8)
