@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colibri.engine import EngineOptions, open_engine  # noqa: E402
+from colibri.engine import open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
 from colibri.run import parse_size, size_arg  # noqa: E402
 
@@ -236,11 +236,6 @@ async def decode(
     """One run of run_passes: the cold pass, or (warm) the pass after it."""
     figs = await run_passes(path, budget, n_prompt, n_tokens, 2 if warm else 1, **opts)
     return figs[-1]
-
-
-def engine_supports(option: str) -> bool:
-    """Whether EngineOptions has a field `option` (options land in colibri over time)."""
-    return option in EngineOptions.__dataclass_fields__
 
 
 # ---- bounds (pure functions: tests/test_bench_decode.py) ----

@@ -5,15 +5,14 @@ Weights bigger than the L3 cache (quick 64 MiB, full 128 MiB per format, 4096 co
 once per call, so matvec GB/s of weights / memory GB/s says how close a kernel runs to memory
 speed. The functions come from bench/kernels.py (make_weights, best_time_cpu, latency_us).
 
-The Q8_0-activation integer-dot path (llama.cpp's CPU path) gets its own rows whenever
-colibri.compute.ops exposes it: `ops.matmul_q8` with `ops.quantize_act` and `ops.Q8_ACT_TYPES`
-(probed by `q8_act_matmul`), and `expert_ffn(..., act_q8=True)` (probed by `q8_act_ffn`); the
-activation quantization is inside the timed call.
+Q4_0 / Q8_0 weights run both paths: f32 activations (exact) and Q8_0 activations with integer
+dot products (`ops.quantize_act` + `ops.matmul_q8`, `expert_ffn(..., act_q8=True)`; the
+engine's default, as llama.cpp's CPU path); the activation quantization is inside the timed
+call.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -34,25 +33,13 @@ FFN_SHAPE = (2048, 768)  # Qwen3-30B-A3B expert: hidden_size, moe_intermediate_s
 TARGET = 0.6  # Q4_0 matvec at >= 60% of the memory bandwidth
 
 
-def q8_act_matmul() -> bool:
-    """True when ops exposes the Q8_0-activation matmul (matmul_q8, quantize_act,
-    Q8_ACT_TYPES) and the built kernel library has clb_matmul_q8."""
-    names = ("matmul_q8", "quantize_act", "Q8_ACT_TYPES")
-    return all(hasattr(ops, n) for n in names) and hasattr(ops.lib, "clb_matmul_q8")
-
-
-def q8_act_ffn() -> bool:
-    """True when ops.expert_ffn takes act_q8= (Q8_0 activations inside the fused FFN)."""
-    return q8_act_matmul() and "act_q8" in inspect.signature(ops.expert_ffn).parameters
-
-
 def weight_mib(quick: bool) -> int:
     """MiB of weights per format: bigger than any L3 cache here."""
     return 64 if quick else 128
 
 
-def _acts(qt: ops.QType, have_q8: bool) -> tuple[str, ...]:
-    return ("f32", "q8_0") if have_q8 and qt in ops.Q8_ACT_TYPES else ("f32",)
+def _acts(qt: ops.QType) -> tuple[str, ...]:
+    return ("f32", "q8_0") if qt in ops.Q8_ACT_TYPES else ("f32",)
 
 
 def _matmul_runner(
@@ -130,7 +117,6 @@ def run(ctx: Context) -> Section:
     rounds = max(sec_limits.MIN_ROUNDS, ctx.rounds)  # this shared machine is noisy
     mem_limits = {ctx.threads: sec_limits.memory_gbps(ctx)}
     mem_limits[1] = float(ctx.results["limits"]["mem_gbps_1t"])
-    have_q8, have_q8_ffn = q8_act_matmul(), q8_act_ffn()
     rng = np.random.default_rng(0)
     mib = weight_mib(ctx.quick)
     weights = {}
@@ -138,7 +124,7 @@ def run(ctx: Context) -> Section:
         qt = ops.QType.parse(name)
         nrows = (mib << 20) // ops.row_nbytes(qt, COLS)
         weights[name] = bench_kernels.make_weights(qt, nrows, COLS, rng)
-    points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f), have_q8)
+    points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f))
               for n in (1, BATCH) for t in threads]  # fmt: skip
     runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng)
                for p in points}  # fmt: skip
@@ -152,8 +138,7 @@ def run(ctx: Context) -> Section:
 
         return f
 
-    ctx.log(f"kernels: {len(points)} matmul points x {rounds} rounds, {mib} MiB weights"
-            f"{', q8_0-activation path present' if have_q8 else ''}")  # fmt: skip
+    ctx.log(f"kernels: {len(points)} matmul points x {rounds} rounds, {mib} MiB weights")
     # the copy again, interleaved with the kernels: this machine's bandwidth drifts with its load
     copy = bench_kernels.copy_bandwidth
     copies = {("copy", t): (lambda t=t: copy(sec_limits.MEM_NBYTES, t, REPEAT)) for t in threads}
@@ -171,8 +156,7 @@ def run(ctx: Context) -> Section:
                      "cpu_share": median(cpu[(f, a, n, t)]), "runs_s": secs})  # fmt: skip
     del weights
 
-    ffn_points = [(q, q8, t) for q in ("q4_0", "q8_0") for q8 in ((False, True) if have_q8_ffn
-                  else (False,)) for t in threads]  # fmt: skip
+    ffn_points = [(q, q8, t) for q in ("q4_0", "q8_0") for q8 in (False, True) for t in threads]
     reps = 200 if ctx.quick else 500
     ffn_res = interleave({p: _ffn_runner(*p, rng, reps) for p in ffn_points}, rounds)
     ffn = [{"qtype": q, "act": "q8_0" if q8 else "f32", "threads": t, "us": median(v), "runs_us": v}
@@ -183,26 +167,18 @@ def run(ctx: Context) -> Section:
     md = [
         f"Matvec (n = 1) and batch-{BATCH} matmul through `ops.matmul` on {mib} MiB of random "
         f"weights per format ([rows, {COLS}], bigger than L3, each byte read once per call); "
-        f"f32 activations"
-        + (
-            ", and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization of x included)"
-            if have_q8
-            else ""
-        )
-        + f". Time per point: best of {REPEAT} calls after a warm-up, median over "
-        f"{rounds} interleaved rounds. *of mem* = weight GB/s / memory GB/s (numpy copy, "
-        f"read + write, same thread count, the higher of the limits section's figure and a copy "
-        f"interleaved with these runs: {fmt(mem_1t)} GB/s at 1 thread, {fmt(mem)} GB/s at "
-        f"{ctx.threads}). *cpu* = process CPU time / (wall x threads): below 100% the machine "
-        "was busy with other work.",
+        "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "
+        f"of x included; the engine's default). Time per point: best of {REPEAT} calls after "
+        f"a warm-up, median over {rounds} interleaved rounds. *of mem* = weight GB/s / memory "
+        "GB/s (numpy copy, read + write, same thread count, the higher of the limits section's "
+        f"figure and a copy interleaved with these runs: {fmt(mem_1t)} GB/s at 1 thread, "
+        f"{fmt(mem)} GB/s at {ctx.threads}). *cpu* = process CPU time / (wall x threads): "
+        "below 100% the machine was busy with other work.",
     ]
-    if not have_q8:
-        md += ["", "_The Q8_0-activation path (`ops.matmul_q8`) is not in this build: f32 "
-               "activations only._"]  # fmt: skip
     by = {(r["qtype"], r["act"], r["n"], r["threads"]): r for r in rows}
     trows = []
     for f in FORMATS:
-        for a in _acts(ops.QType.parse(f), have_q8):
+        for a in _acts(ops.QType.parse(f)):
             for t in threads:
                 r1, r8 = by[(f, a, 1, t)], by[(f, a, BATCH, t)]
                 trows.append([f.upper(), a, t, r1["ms"], r1["gbps"], f"{r1['of_mem']:.0%}",
@@ -254,7 +230,7 @@ def run(ctx: Context) -> Section:
     data = {"weight_mib": mib, "cols": COLS, "mem_gbps": mem, "mem_gbps_1t": mem_1t,
             "mem_gbps_limits": {str(t): v for t, v in mem_limits.items()},
             "mem_gbps_interleaved": {str(t): v for t, v in mem_here.items()},
-            "q8_act_matmul": have_q8, "q8_act_ffn": have_q8_ffn, "matmul": rows,
+            "matmul": rows,
             "expert_ffn": ffn, "ffn_shape": list(FFN_SHAPE)}  # fmt: skip
     return Section(key="kernels", title=TITLE, markdown="\n".join(md), data=data,
                    figures=[_plot(ctx, rows, threads)], headlines=heads)  # fmt: skip
