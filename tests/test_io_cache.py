@@ -432,3 +432,24 @@ async def test_prefetcher_judges_by_token_time(on_cost, off_cost):
         assert st.backoffs >= 2 and sum(modes) <= 12
     else:
         assert st.backoffs == 0 and sum(modes) == 16  # 2 of every 3 windows on
+
+
+async def test_prefetch_cancelled_before_it_started_frees_its_slot_and_waiters():
+    """cancel_prefetches right after prefetch, before the read's task ever ran: the task's body
+    (and its cleanup) never executes. A demand get of that expert must still complete (this
+    hung `colibri bench`'s Mixtral replay), and the slot must come back."""
+    store, pool, reader, cache = make(num_slots=2)
+    assert cache.prefetch(2, [3]) == 1
+    assert cache.cancel_prefetches() == 1  # no await in between: the task has not started
+    get = asyncio.ensure_future(cache.get(2, 3))
+    for _ in range(50):
+        await spin()
+        if (2, 3) in reader.pending:
+            break
+    assert (2, 3) in reader.pending, "the demand get never started a read of its own"
+    reader.complete((2, 3))
+    with await asyncio.wait_for(get, 5) as lease:
+        np.testing.assert_array_equal(lease.buffer, store.data[2, 3])
+    check_slots(cache, pool)
+    st = cache.statistics()
+    assert st.reads == 1 and st.misses == 1 and st.reads_in_flight == 0

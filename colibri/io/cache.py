@@ -435,7 +435,7 @@ class ExpertCache:
             entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
             self._entries[key] = entry
             entry.fresh = True
-            entry.task = asyncio.get_running_loop().create_task(self._load(entry, priority))
+            self._start_load(entry, priority)
         return entry
 
     # -- prefetch ------------------------------------------------------------------------
@@ -457,7 +457,7 @@ class ExpertCache:
             entry.slot = slot
             entry.prefetched = True
             self._entries[key] = entry
-            entry.task = asyncio.get_running_loop().create_task(self._load(entry, PREFETCH))
+            self._start_load(entry, PREFETCH)
             started += 1
         self._n["prefetch_issued"] += started
         return started
@@ -530,6 +530,16 @@ class ExpertCache:
         self.pool.release(slot)
         self._wake_slot_waiter()
 
+    def _start_load(self, entry: _Entry, priority: int) -> None:
+        entry.task = asyncio.get_running_loop().create_task(self._load(entry, priority))
+        entry.task.add_done_callback(lambda task: self._load_done(entry, task))
+
+    def _load_done(self, entry: _Entry, task: asyncio.Task) -> None:
+        # A task cancelled before its first step never runs _load's body (nor its cleanup):
+        # without this the entry would keep its slot and its waiters would wait forever.
+        if task.cancelled() and not entry.fut.done():
+            self._drop(entry, asyncio.CancelledError())
+
     async def _load(self, entry: _Entry, priority: int) -> None:
         try:
             if entry.slot < 0:
@@ -541,18 +551,7 @@ class ExpertCache:
                 self._verify_seconds += time.perf_counter() - t0
                 self._verified.add(entry.key)
         except BaseException as exc:
-            if entry.slot >= 0:
-                slot, entry.slot = entry.slot, -1
-                self._free_slot(slot)
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
-            if isinstance(exc, asyncio.CancelledError):
-                entry.fut.cancel()
-            else:
-                entry.fut.set_exception(exc)
-                entry.fut.exception()  # retrieved: waiters (if any) re-raise it
-            if entry.prefetched and not entry.demanded:
-                self._n["prefetch_wasted"] += 1
+            self._drop(entry, exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -564,6 +563,21 @@ class ExpertCache:
         entry.fut.set_result(None)
         if entry.refs == 0:
             self._wake_slot_waiter()
+
+    def _drop(self, entry: _Entry, exc: BaseException) -> None:
+        """A load failed or was cancelled: free its slot, forget the entry, tell its waiters."""
+        if entry.slot >= 0:
+            slot, entry.slot = entry.slot, -1
+            self._free_slot(slot)
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        if isinstance(exc, asyncio.CancelledError):
+            entry.fut.cancel()
+        else:
+            entry.fut.set_exception(exc)
+            entry.fut.exception()  # retrieved: waiters (if any) re-raise it
+        if entry.prefetched and not entry.demanded:
+            self._n["prefetch_wasted"] += 1
 
     def _check(self, entry: _Entry) -> None:
         buf = self.pool.view(entry.slot)[: entry.record.nbytes]
