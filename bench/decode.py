@@ -97,18 +97,6 @@ def fio_gbps(path: Path, record: int, qd: int, total: int) -> float:
     return bench_io.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
 
 
-def memory_gbps(nbytes: int = 1 << 30) -> float:
-    """Copy bandwidth of one large numpy copy, read + write bytes counted (GB/s)."""
-    a = np.ones(nbytes // 8)
-    b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
 @dataclass
 class Phase:
     """One phase (prefill of the prompt, or decode of single tokens) of one run.
@@ -317,7 +305,9 @@ def main() -> int:
     small = ensure_store(args.small, "qwen3-30b-a3b", layers=4)
     s = open_store(small)
     k = s.config["num_experts_per_tok"]
-    mem = memory_gbps()
+    from bench.kernels import copy_bandwidth
+
+    mem = copy_bandwidth(1 << 30, 1, 3)
     print(f"memory copy bandwidth {mem:.1f} GB/s (read+write)")
 
     all_small = store_expert_nbytes(small)

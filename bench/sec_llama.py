@@ -282,7 +282,7 @@ def run(ctx: Context) -> Section:
     mem_gbps = sec_limits.memory_gbps(ctx)
     data["mem_gbps"] = mem_gbps
     variants = ["q8_0", "f32"]  # the engine's default first, then the exact path
-    vname = {v: f"colibri ({v} activations)" if v else "colibri" for v in variants}
+    vname = {v: f"colibri ({v} activations)" for v in variants}
     heads: list[Headline] = []
 
     # -- 1. fits in RAM ---------------------------------------------------------------------
@@ -312,9 +312,8 @@ def run(ctx: Context) -> Section:
             def col(v: str = v) -> float:
                 args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads",
                         str(ctx.threads), "--n-ctx", str(n_prompt + n_gen + 8), "--n-prompt",
-                        str(n_prompt), "--n-gen", str(n_gen), "--warm"]  # fmt: skip
-                if v:
-                    args += ["--activations", v]
+                        str(n_prompt), "--n-gen", str(n_gen), "--warm", "--activations",
+                        v]  # fmt: skip
                 r = run_colibri(ctx, args)
                 raw.setdefault(vname[v], []).append(r)
                 if r["returncode"]:
@@ -436,9 +435,7 @@ def run(ctx: Context) -> Section:
                 "--text",
                 PROMPT,
             ]
-            v = best_variant
-            if v:
-                args += ["--activations", v]
+            args += ["--activations", best_variant]
             r = run_colibri(ctx, args, limit)
             raw.setdefault(cname, []).append(r)
             return r.get("tg_tok_s") or 0.0
