@@ -233,7 +233,9 @@ def headline_table(heads: Sequence[Headline]) -> str:
         rows.append([
             h.scenario, h.unit, h.value, h.peer, "—" if rp is None else f"{rp:.2f}×",
             f"{fmt(h.limit)} ({h.limit_name})" if h.limit is not None else "—",
-            "—" if rl is None else f"{rl:.0%}", h.target or "—", h.note,
+            "—" if rl is None else f"{rl:.0%}" + (" (noise: limit measured apart)" if rl > 1.05
+                                                   else ""),
+            h.target or "—", h.note,
         ])  # fmt: skip
     header = ["scenario", "unit", "colibri", "llama.cpp", "colibri / llama.cpp", "limit",
               "of limit", "target", "note"]  # fmt: skip

@@ -355,7 +355,8 @@ def run(ctx: Context) -> Section:
         top = max(sub, key=lambda r: r["gb_per_second"])
         heads.append(Headline(
             f"Mixtral trace online replay, {top['record_nbytes'] / 1e6:.0f} MB records",
-            "GB/s", top["gb_per_second"], limit=disk[label], limit_name=f"fio QD {QD}",
+            "GB/s", top["gb_per_second"], limit=disk[label],
+            limit_name=f"disk, {top['record_nbytes'] / 1e6:.1f} MB records, {QD} in flight",
             note=f"{top['policy']}, {top['budget_records']}/256 records, no prefetch, "
                  f"{top['tokens_per_second']:.3g} tok/s IO-only"))  # fmt: skip
 
