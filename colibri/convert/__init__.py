@@ -17,7 +17,6 @@ import numpy as np
 
 from colibri.errors import ConversionError
 from colibri.io.format import BLOCK_QTYPES, QTYPES
-from colibri.registry import SUPPORTED as SUPPORTED_ARCHS  # noqa: F401 - used by hf.py
 
 TOKENIZER_FILES = (
     "tokenizer.json",
