@@ -112,8 +112,13 @@ def _arch(store: Store) -> GGUFArch:
     return fam.gguf
 
 
+def _config(store: Store) -> dict[str, Any]:
+    """The store's config as its family resolves it (transformers defaults filled in)."""
+    return resolve_config({**store.config, "model_type": store.model_type})
+
+
 def _check_supported(store: Store) -> None:
-    g, cfg = _arch(store), resolve_config(store.config)
+    g, cfg = _arch(store), _config(store)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
     if store.moe_layers != list(range(n_layer)):
         raise ConversionError(
@@ -130,7 +135,7 @@ def _check_supported(store: Store) -> None:
                 f"{store.path}: config.{key} is {cfg.get(key)!r}, but llama.cpp's {g.name} "
                 f"assumes {value!r}"
             )
-    spec = model_spec(store.config)
+    spec = model_spec({**store.config, "model_type": store.model_type})
     window = max(layer.attention.window for layer in spec.layers)
     if window and window < spec.max_position_embeddings:
         warnings.warn(
@@ -141,7 +146,7 @@ def _check_supported(store: Store) -> None:
 
 
 def _add_hparams(w: Any, store: Store) -> None:
-    gguf, cfg, g = _gguf(), resolve_config(store.config), _arch(store)
+    gguf, cfg, g = _gguf(), _config(store), _arch(store)
     n_head = int(_cfg(cfg, "num_attention_heads"))
     n_embd = int(_cfg(cfg, "hidden_size"))
     head_dim = int(_cfg(cfg, "head_dim", default=n_embd // n_head))
@@ -208,7 +213,7 @@ def _dense_bytes(store: Store, name: str, permute_heads: int) -> np.ndarray:
 
 
 def _plan(store: Store) -> list[_Tensor]:
-    gguf, cfg, g = _gguf(), resolve_config(store.config), _arch(store)
+    gguf, cfg, g = _gguf(), _config(store), _arch(store)
     arch = getattr(gguf.MODEL_ARCH, g.arch)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
     names = gguf.get_tensor_name_map(arch, n_layer)

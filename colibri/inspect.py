@@ -20,7 +20,7 @@ def describe(store: Store) -> dict[str, Any]:
     bytes on disk, record size, and the quant types used (dense: count per type)."""
     cfg = store.config
     if store.model_type in registry.FAMILIES:  # keys left out: the transformers defaults
-        cfg = registry.resolve_config(cfg)
+        cfg = registry.family(store.model_type).resolve_config(cfg)
     top_k = next((int(cfg[k]) for k in _TOP_K_KEYS if k in cfg), 0)
     lay = store.layout
     expert_params = sum(int(np.prod(t.shape)) for t in lay.tensors.values())

@@ -39,6 +39,7 @@ from colibri.io.format import (  # noqa: E402
     tensor_nbytes,
 )
 from colibri.models.spec import dense_tensors as spec_dense_tensors  # noqa: E402
+from colibri.models.spec import f32_tensors  # noqa: E402
 
 TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
 
@@ -202,7 +203,8 @@ def synth_store(
     cfg = model_config(model, layers, scale)
     E, d_ff, moe = expert_shape(cfg)
     layout = ExpertLayout.build(quant, cfg["hidden_size"], d_ff)
-    plan = [(n, dense_qtype(n, s, dense_quant), s) for n, s in dense_tensors(cfg)]
+    f32 = f32_tensors(registry.model_spec(cfg))
+    plan = [(n, dense_qtype(n, s, dense_quant, f32), s) for n, s in dense_tensors(cfg)]
     dense_nbytes = sum(tensor_nbytes(q, s) for _, q, s in plan)
     total = dense_nbytes + len(moe) * E * layout.record_nbytes
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from colibri.convert import dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
 from colibri.io.format import ExpertLayout, StoreWriter
 from colibri.models.family import Family
-from colibri.models.spec import dense_tensors
+from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import FAMILIES, model_spec
 
 # GGUF general.architecture -> colibri family
@@ -100,14 +100,13 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     return fam.model_type, cfg
 
 
-def hf_names(fam: Family, cfg: dict[str, Any]) -> dict[str, str]:
-    """{GGUF tensor name: HF name} of every dense tensor of the family's spec for `cfg`,
-    named by gguf's TensorNameMap of the family's llama.cpp arch (as llama.cpp's converter)."""
+def hf_names(fam: Family, spec: ModelSpec) -> dict[str, str]:
+    """{GGUF tensor name: HF name} of every dense tensor of `spec`, named by gguf's
+    TensorNameMap of the family's llama.cpp arch (as llama.cpp's converter names them)."""
     import gguf
 
     assert fam.gguf is not None
     arch = getattr(gguf.MODEL_ARCH, fam.gguf.arch)
-    spec = model_spec(cfg)
     names = gguf.get_tensor_name_map(arch, len(spec.layers))
     out = {}
     for hf in dense_tensors(spec):
@@ -175,9 +174,10 @@ def convert_gguf(
     model_type, cfg = gguf_config(reader, src)
     fam = GGUF_ARCHS[_field(reader, "general.architecture")]
     try:
-        hf_of = hf_names(fam, cfg)
+        spec = model_spec(cfg)
     except StoreError as exc:
         raise ConversionError(f"{src}: {exc}") from None
+    hf_of, f32 = hf_names(fam, spec), f32_tensors(spec)
     H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
     E, I = cfg[fam.num_experts_key], cfg[fam.d_ff_key]  # noqa: E741
     experts: dict[int, dict[str, Any]] = {}
@@ -220,7 +220,7 @@ def convert_gguf(
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         if len(shape) == 2 and shape[0] == 1 and hf.endswith("norm.weight"):
             shape = shape[1:]
-        plan.append((hf, dense_qtype(hf, shape, dense_quant), shape, t))
+        plan.append((hf, dense_qtype(hf, shape, dense_quant, f32), shape, t))
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with StoreWriter(out, layout, force=force) as w:
         w.begin_dense([(hf, qt, shape) for hf, qt, shape, _ in plan])

@@ -34,7 +34,7 @@ from colibri.convert import TOKENIZER_FILES, dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
 from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
 from colibri.models.family import Family
-from colibri.models.spec import ModelSpec, dense_tensors
+from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import family, model_spec
 
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -269,6 +269,7 @@ def plan_dense(
     n = len(spec.layers)
     mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     stored = {name: fam.rename(names[name]) for name in names if name not in used}
+    f32 = f32_tensors(spec)
     out = []
     for name in sorted(stored, key=lambda x: _sort_key(stored[x])):
         layer = _layer_of(stored[name])
@@ -276,7 +277,7 @@ def plan_dense(
             raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation
-        qt = dense_qtype(stored[name], ck.shape(name), dense_quant)
+        qt = dense_qtype(stored[name], ck.shape(name), dense_quant, f32)
         out.append((name, stored[name], qt, ck.shape(name)))
     shapes = {store: shape for _, store, _, shape in out}
     for name, shape in dense_tensors(spec).items():

@@ -227,6 +227,17 @@ def base_spec(
     )
 
 
+def f32_tensors(spec: ModelSpec) -> frozenset[str]:
+    """The 2-D dense tensors stored f32 whatever the dense quant type: routers (and their
+    biases) and qwen2_moe's shared_expert_gate; 1-D tensors are always f32."""
+    out = set()
+    for layer in spec.layers:
+        for role in ("router", "shared_expert_gate"):
+            if role in layer.names:
+                out |= {f"{layer.names[role]}.weight", f"{layer.names[role]}.bias"}
+    return frozenset(out)
+
+
 def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every dense tensor a store of `spec` holds, stored (hub) name -> logical shape, in
     store order: embeddings, then layer by layer, then the final norm and lm_head (absent when
