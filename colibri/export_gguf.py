@@ -45,9 +45,11 @@ import numpy as np
 
 from colibri.errors import ConversionError, TokenizerError
 from colibri.io.format import Store, open_store, tensor_nbytes
+from colibri.models.family import GGUFArch
+from colibri.registry import FAMILIES, model_spec, resolve_config
 
-# colibri model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name)
-ARCHS: dict[str, str] = {"mixtral": "LLAMA", "qwen3_moe": "QWEN3MOE"}
+# colibri model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name), from the families
+ARCHS: dict[str, str] = {t: f.gguf.arch for t, f in FAMILIES.items() if f.gguf is not None}
 EXPERT_TENSORS = {"gate": "FFN_GATE_EXP", "up": "FFN_UP_EXP", "down": "FFN_DOWN_EXP"}
 
 # the Split regex of a byte-level BPE tokenizer.json -> llama.cpp's tokenizer.ggml.pre
@@ -100,12 +102,23 @@ def _rope_theta(config: dict[str, Any]) -> float:
     return float(rope.get("rope_theta", _cfg(config, "rope_theta", default=10000.0)))
 
 
-def _check_supported(store: Store) -> None:
-    cfg, mt = store.config, store.model_type
-    if mt not in ARCHS:
+def _arch(store: Store) -> GGUFArch:
+    fam = FAMILIES.get(store.model_type)
+    if fam is None or fam.gguf is None:
         raise ConversionError(
-            f"{store.path}: model_type {mt!r} has no GGUF export (supported: {', '.join(ARCHS)})"
+            f"{store.path}: model_type {store.model_type!r} has no GGUF export "
+            f"(supported: {', '.join(ARCHS)})"
         )
+    return fam.gguf
+
+
+def _config(store: Store) -> dict[str, Any]:
+    """The store's config as its family resolves it (transformers defaults filled in)."""
+    return resolve_config({**store.config, "model_type": store.model_type})
+
+
+def _check_supported(store: Store) -> None:
+    g, cfg = _arch(store), _config(store)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
     if store.moe_layers != list(range(n_layer)):
         raise ConversionError(
@@ -115,23 +128,25 @@ def _check_supported(store: Store) -> None:
     if store.layout.qtype not in ("q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"):
         raise ConversionError(f"{store.path}: expert qtype {store.layout.qtype!r} unsupported")
     if set(store.layout.tensors) != {"gate", "up", "down"}:
-        raise ConversionError(f"{store.path}: expert biases have no place in arch {ARCHS[mt]}")
-    if mt == "qwen3_moe" and not cfg.get("norm_topk_prob", False):
-        raise ConversionError(
-            f"{store.path}: config.norm_topk_prob is false, but llama.cpp's qwen3moe always "
-            "renormalises the top-k weights"
-        )
-    window = cfg.get("sliding_window")
-    if mt == "mixtral" and window and window < int(cfg.get("max_position_embeddings", 0)):
+        raise ConversionError(f"{store.path}: expert biases have no place in arch {g.arch}")
+    for key, value in g.implied.items():
+        if cfg.get(key) != value:
+            raise ConversionError(
+                f"{store.path}: config.{key} is {cfg.get(key)!r}, but llama.cpp's {g.name} "
+                f"assumes {value!r}"
+            )
+    spec = model_spec({**store.config, "model_type": store.model_type})
+    window = max(layer.attention.window for layer in spec.layers)
+    if window and window < spec.max_position_embeddings:
         warnings.warn(
-            f"{store.path}: sliding_window={window} is ignored by llama.cpp's llama arch; "
+            f"{store.path}: sliding_window={window} is ignored by llama.cpp's {g.name} arch; "
             "outputs differ past that many tokens",
             stacklevel=3,
         )
 
 
 def _add_hparams(w: Any, store: Store) -> None:
-    gguf, cfg = _gguf(), store.config
+    gguf, cfg, g = _gguf(), _config(store), _arch(store)
     n_head = int(_cfg(cfg, "num_attention_heads"))
     n_embd = int(_cfg(cfg, "hidden_size"))
     head_dim = int(_cfg(cfg, "head_dim", default=n_embd // n_head))
@@ -147,12 +162,12 @@ def _add_hparams(w: Any, store: Store) -> None:
     w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
     w.add_expert_count(store.num_experts)
     w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
-    if store.model_type == "mixtral":
+    if g.expert_ff_key == "feed_forward_length":  # llama: the experts' n_ff
         w.add_feed_forward_length(store.layout.d_ff)
     else:  # qwen3moe: the experts' n_ff has its own key
         w.add_feed_forward_length(int(_cfg(cfg, "intermediate_size", default=store.layout.d_ff)))
         w.add_expert_feed_forward_length(store.layout.d_ff)
-    if cfg.get("head_dim") is not None:  # may differ from n_embd / n_head (as the converter)
+    if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     ftype = {
@@ -198,8 +213,8 @@ def _dense_bytes(store: Store, name: str, permute_heads: int) -> np.ndarray:
 
 
 def _plan(store: Store) -> list[_Tensor]:
-    gguf, cfg = _gguf(), store.config
-    arch = getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])
+    gguf, cfg, g = _gguf(), _config(store), _arch(store)
+    arch = getattr(gguf.MODEL_ARCH, g.arch)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
     names = gguf.get_tensor_name_map(arch, n_layer)
     n_head = int(_cfg(cfg, "num_attention_heads"))
@@ -213,9 +228,9 @@ def _plan(store: Store) -> list[_Tensor]:
                 f"{store.dense_path}: tensor {hf!r} has no GGUF name in arch {arch.name.lower()}"
             )
         heads = 0
-        if arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.q_proj"):
+        if g.rope_permute and base.endswith("self_attn.q_proj"):
             heads = n_head
-        elif arch == gguf.MODEL_ARCH.LLAMA and base.endswith("self_attn.k_proj"):
+        elif g.rope_permute and base.endswith("self_attn.k_proj"):
             heads = n_head_kv
         qtype = store.dense_qtype(hf)
         shape = tuple(store.manifest["dense"][hf]["shape"])
@@ -448,7 +463,7 @@ def export_gguf(
     if out.exists() and not force:
         raise ConversionError(f"{out}: already exists (use --force to replace it)")
     _check_supported(store)
-    arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])]
+    arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, _arch(store).arch)]
     plan = _plan(store)
     # GGUFWriter creates the file itself (mode 0666 & ~umask); the name only has to be unique
     tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from colibri import registry
 from colibri.io.format import Store, open_store, tensor_nbytes
 
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
@@ -18,6 +19,8 @@ def describe(store: Store) -> dict[str, Any]:
     (total, and active per token = dense + top-k experts in every MoE layer), dense and expert
     bytes on disk, record size, and the quant types used (dense: count per type)."""
     cfg = store.config
+    if store.model_type in registry.FAMILIES:  # keys left out: the transformers defaults
+        cfg = registry.family(store.model_type).resolve_config(cfg)
     top_k = next((int(cfg[k]) for k in _TOP_K_KEYS if k in cfg), 0)
     lay = store.layout
     expert_params = sum(int(np.prod(t.shape)) for t in lay.tensors.values())

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from colibri import registry
+
 torch = __import__("pytest").importorskip("torch")
 transformers = __import__("pytest").importorskip("transformers")
 
@@ -29,150 +31,27 @@ COMMON = dict(
     tie_word_embeddings=False,
 )
 
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral": (
-        "MixtralConfig",
-        dict(intermediate_size=96, num_local_experts=6, num_experts_per_tok=2, rope_theta=1e4),
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        dict(
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            qkv_bias=True,
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            head_dim=32,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=3,
-            norm_topk_prob=True,
-        ),
-    ),
-    "olmoe": (
-        "OlmoeConfig",
-        dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0),
-    ),
+# Every family's tiny test cases (Family.test_configs, colibri/models/<model_type>.py):
+# case name -> (model_type, config overrides on top of COMMON)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    case: (model_type, cfg)
+    for model_type, fam in registry.FAMILIES.items()
+    for case, cfg in fam.test_configs.items()
 }
 
 
-# DeepSeek-V2/V3, GLM-4.5 MoE and gpt-oss cases (issue 6), by case name: several routing
-# group settings, MLA with and without q_lora_rank, YaRN with mscale_all_dim, sliding window 8
-# (shorter than the test prompt). MLA expands keys per head: num_key_value_heads == heads.
-_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
-_MLA |= dict(v_head_dim=12, intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1)
-_YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64)
-EXTRA_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "deepseek_v2": (
-        "DeepseekV2Config",
-        _MLA
-        | dict(
-            q_lora_rank=48,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            topk_method="greedy",
-            routed_scaling_factor=1.5,
-            rope_parameters=_YARN | dict(mscale=0.707, mscale_all_dim=0.707),
-        ),
-    ),
-    "deepseek_v2_grouped_no_q_lora": (
-        "DeepseekV2Config",
-        _MLA
-        | dict(
-            q_lora_rank=None,
-            n_routed_experts=12,
-            num_experts_per_tok=3,
-            first_k_dense_replace=0,
-            topk_method="group_limited_greedy",
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=1.0,
-        ),
-    ),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        _MLA
-        | dict(
-            q_lora_rank=48,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            rope_interleave=True,
-            rope_parameters=_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
-        ),
-    ),
-    "deepseek_v3_one_group_no_q_lora": (
-        "DeepseekV3Config",
-        _MLA
-        | dict(
-            q_lora_rank=None,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=0,
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            rope_interleave=False,
-        ),
-    ),
-    "glm4_moe": (
-        "Glm4MoeConfig",
-        dict(
-            head_dim=32,
-            partial_rotary_factor=0.5,
-            attention_bias=True,
-            use_qk_norm=True,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.8,
-        ),
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        dict(
-            head_dim=16,
-            intermediate_size=32,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            swiglu_limit=1.0,  # low enough that the clamp bites in a tiny model
-            attention_bias=True,
-        ),
-    ),
-}
+def config(case: str, **overrides: Any) -> Any:
+    """The transformers config of test case `case` (COMMON + its overrides + `overrides`)."""
+    model_type, extra = CASES[case]
+    return transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
 
 
 def build(model_type: str, seed: int = 0) -> Any:
-    """A tiny random *ForCausalLM of `model_type` (a CONFIGS or EXTRA_CONFIGS name) in f32 eval
+    """A tiny random *ForCausalLM of test case `model_type` (a CASES name) in f32 eval
     mode, norms and biases perturbed; DeepSeek/GLM `e_score_correction_bias` (0 by default)
     and gpt-oss attention sinks are randomised too."""
-    cls_name, extra = {**CONFIGS, **EXTRA_CONFIGS}[model_type]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config(model_type)).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -283,10 +162,9 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
 
     if not OLMOE_TOKENIZER.exists():
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
-    cls_name, extra = {**CONFIGS, **EXTRA_CONFIGS}[model_type]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra, "vocab_size": 50304})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    cfg = config(model_type, vocab_size=50304)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
     template = (

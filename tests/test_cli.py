@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from colibri import registry
 from colibri.convert import convert
 from tests import hf_models
 
@@ -102,19 +103,7 @@ def test_corrupt_record_is_reported(tiny, tmp_path):
     assert re.search(r"checksum mismatch in layer \d+ expert \d+", res.stderr), res.stderr
 
 
-ARCHS = [
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-]
-
-
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", registry.SUPPORTED)
 def test_run_and_chat_every_architecture(model_type, tmp_path):
     """run and chat on a converted tiny model of each supported architecture: the streamed
     text is the tokenizer's decoding of transformers' greedy tokens for the same prompt."""

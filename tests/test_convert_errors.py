@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from colibri import registry  # noqa: E402
 from colibri.cli import main  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.errors import ConversionError, StoreError  # noqa: E402
@@ -115,7 +116,7 @@ def test_missing_shard(mixtral, tmp_path):
 def test_unsupported_architecture(mixtral, tmp_path):
     src = copy_ckpt(mixtral[0], tmp_path / "src")
     edit_config(src, model_type="llama")
-    archs = "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss"
+    archs = ", ".join(registry.SUPPORTED)
     expect_failure(src, tmp_path, f"unsupported architecture 'llama'; supported: {archs}")
 
 

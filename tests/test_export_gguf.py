@@ -136,7 +136,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from colibri.export_gguf import _QWEN2_RE
-    from tests.hf_models import COMMON, CONFIGS
+    from tests import hf_models
 
     text = SHARED / "text/olmoe_routing_c4_texts.txt.xz"
     if not text.is_file():
@@ -158,7 +158,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
     )
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(**{**COMMON, **CONFIGS["qwen3_moe"][1], "vocab_size": 384})
+    cfg = hf_models.config("qwen3_moe", vocab_size=384)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():

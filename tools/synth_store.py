@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from colibri import registry  # noqa: E402
 from colibri.convert import dense_qtype  # noqa: E402
 from colibri.io.format import (  # noqa: E402
     BLOCK_QTYPES,
@@ -37,6 +38,8 @@ from colibri.io.format import (  # noqa: E402
     dense_dtype_shape,
     tensor_nbytes,
 )
+from colibri.models.spec import dense_tensors as spec_dense_tensors  # noqa: E402
+from colibri.models.spec import f32_tensors  # noqa: E402
 
 TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
 
@@ -108,7 +111,12 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     if scale != 1.0:
-        key = next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in cfg)
+        fam = registry.family(cfg["model_type"])
+        keys = [
+            fam.num_experts_key,
+            *(a for a, k in fam.aliases.items() if k == fam.num_experts_key),
+        ]
+        key = next(k for k in keys if k in cfg)
         mult = cfg.get("n_group", 1)
         n = max(cfg["num_experts_per_tok"], round(cfg[key] * scale / mult) * mult)
         cfg[key] = max(n, mult)
@@ -116,64 +124,16 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
 
 
 def expert_shape(cfg: dict[str, Any]) -> tuple[int, int, list[int]]:
-    """(num_experts, d_ff, MoE layer ids) of `cfg`."""
-    n = cfg["num_hidden_layers"]
-    E = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
-    d_ff = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    if cfg["model_type"] == "deepseek_v3":
-        return E, d_ff, list(range(min(cfg["first_k_dense_replace"], n), n))
-    return E, d_ff, list(range(n))
+    """(num_experts, d_ff, MoE layer ids) of `cfg`, from its family's spec."""
+    spec = registry.model_spec(cfg)
+    moe = [layer.index for layer in spec.layers if layer.moe]
+    return spec.moe.router.num_experts, spec.moe.d_ff, moe
 
 
 def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every dense tensor's HF name and shape for `cfg` (mixtral, qwen3_moe, olmoe,
-    deepseek_v3), layer by layer."""
-    mt, H, V = cfg["model_type"], cfg["hidden_size"], cfg["vocab_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or H // nh
-    E, _, moe = expert_shape(cfg)
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (V, H))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,))]
-        if mt == "deepseek_v3":
-            ql, kvl, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
-            nope, vd = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-            a = p + "self_attn."
-            out += [
-                (a + "q_a_proj.weight", (ql, H)), (a + "q_a_layernorm.weight", (ql,)),
-                (a + "q_b_proj.weight", (nh * (nope + rope), ql)),
-                (a + "kv_a_proj_with_mqa.weight", (kvl + rope, H)),
-                (a + "kv_a_layernorm.weight", (kvl,)),
-                (a + "kv_b_proj.weight", (nh * (nope + vd), kvl)),
-                (a + "o_proj.weight", (H, nh * vd)),
-            ]  # fmt: skip
-            if i in moe:
-                sh = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
-                out += [
-                    (p + "mlp.gate.weight", (E, H)), (p + "mlp.gate.e_score_correction_bias", (E,)),
-                    (p + "mlp.shared_experts.gate_proj.weight", (sh, H)),
-                    (p + "mlp.shared_experts.up_proj.weight", (sh, H)),
-                    (p + "mlp.shared_experts.down_proj.weight", (H, sh)),
-                ]  # fmt: skip
-            else:
-                ff = cfg["intermediate_size"]
-                out += [(p + "mlp.gate_proj.weight", (ff, H)), (p + "mlp.up_proj.weight", (ff, H)),
-                        (p + "mlp.down_proj.weight", (H, ff))]  # fmt: skip
-            continue
-        a = p + "self_attn."
-        out += [
-            (a + "q_proj.weight", (nh * hd, H)), (a + "k_proj.weight", (nkv * hd, H)),
-            (a + "v_proj.weight", (nkv * hd, H)), (a + "o_proj.weight", (H, nh * hd)),
-        ]  # fmt: skip
-        if mt == "qwen3_moe":
-            out += [(a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
-        if mt == "olmoe":
-            out += [(a + "q_norm.weight", (nh * hd,)), (a + "k_norm.weight", (nkv * hd,))]
-        block = "block_sparse_moe" if mt == "mixtral" else "mlp"
-        out.append((f"{p}{block}.gate.weight", (E, H)))
-    out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
-    return out
+    """Every dense tensor's HF name and shape for `cfg` (any supported family), layer by
+    layer, as the family's spec says (colibri.models.spec.dense_tensors)."""
+    return list(spec_dense_tensors(registry.model_spec(cfg)).items())
 
 
 class BlockPool:
@@ -243,7 +203,8 @@ def synth_store(
     cfg = model_config(model, layers, scale)
     E, d_ff, moe = expert_shape(cfg)
     layout = ExpertLayout.build(quant, cfg["hidden_size"], d_ff)
-    plan = [(n, dense_qtype(n, s, dense_quant), s) for n, s in dense_tensors(cfg)]
+    f32 = f32_tensors(registry.model_spec(cfg))
+    plan = [(n, dense_qtype(n, s, dense_quant, f32), s) for n, s in dense_tensors(cfg)]
     dense_nbytes = sum(tensor_nbytes(q, s) for _, q, s in plan)
     total = dense_nbytes + len(moe) * E * layout.record_nbytes
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
 
 from colibri.errors import ConversionError
 from colibri.io.format import BLOCK_QTYPES, QTYPES
-from colibri.registry import SUPPORTED as SUPPORTED_ARCHS  # noqa: F401 - used by hf.py
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -33,14 +33,17 @@ _F32_NAMES = re.compile(
 )
 
 
-def dense_qtype(name: str, shape: tuple[int, ...], dense_quant: str) -> str:
+def dense_qtype(
+    name: str, shape: tuple[int, ...], dense_quant: str, f32: Collection[str] = ()
+) -> str:
     """Storage type of dense tensor `name` (HF spelling) of logical `shape`.
 
-    Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks and every
-    tensor that is not 2-D stay f32; a 2-D weight whose columns are not a multiple of 32 falls
-    back to f32 under a block `dense_quant`; everything else (attention, shared experts,
-    embeddings, lm_head) uses `dense_quant`."""
-    if len(shape) != 2 or _F32_NAMES.search(name):
+    Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks, every
+    tensor that is not 2-D and every name in `f32` (models.spec.f32_tensors: the spec's
+    routers, whatever their names) stay f32; a 2-D weight whose columns are not a multiple of
+    32 falls back to f32 under a block `dense_quant`; everything else (attention, shared
+    experts, embeddings, lm_head) uses `dense_quant`."""
+    if len(shape) != 2 or name in f32 or _F32_NAMES.search(name):
         return "f32"
     if dense_quant in BLOCK_QTYPES and shape[-1] % 32:
         return "f32"

@@ -6,8 +6,10 @@ byte for byte, no requantization. Dense tensors are renamed to their HF names; a
 already in its target storage type is copied bit-exact (rows un-permuted where llama.cpp
 permuted Q/K for its rope), any other is dequantized by gguf and requantized.
 
-Architectures: GGUF "llama" with experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe.
-The config is rebuilt from GGUF metadata in HF spelling. A tokenizer.json is rebuilt from the
+Architectures: every family with a GGUFArch (models/<model_type>.py; today GGUF "llama" with
+experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe). The config is rebuilt from GGUF
+metadata in HF spelling; each GGUF tensor's HF name is the one of the family's spec whose
+GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json is rebuilt from the
 GGUF vocabulary for byte-level BPE vocabularies with the Qwen2 pre-tokenizer (`tokenizer.ggml.
 model` "gpt2", `pre` "qwen2": Qwen2/Qwen3 GGUFs); others (SentencePiece "llama", other `pre`
 regexes) get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
@@ -23,34 +25,22 @@ from typing import Any
 import numpy as np
 
 from colibri.convert import dense_qtype, progress, quantize
-from colibri.errors import ConversionError
+from colibri.errors import ConversionError, StoreError
 from colibri.io.format import ExpertLayout, StoreWriter
+from colibri.models.family import Family
+from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
+from colibri.registry import FAMILIES, model_spec
 
-# GGUF architecture -> (HF model_type, HF router name inside a layer)
-GGUF_ARCHS = {"llama": ("mixtral", "block_sparse_moe.gate"), "qwen3moe": ("qwen3_moe", "mlp.gate")}
+# GGUF general.architecture -> colibri family
+GGUF_ARCHS: dict[str, Family] = {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
+
 _TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _TYPES["Q8_0"] = "q8_0"
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
 _PRE_REGEX = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -64,11 +54,13 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     architecture without experts or one not handled."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS or not _field(reader, f"{arch}.expert_count"):
+        supported = ", ".join(f"{a} ({f.model_type})" for a, f in GGUF_ARCHS.items())
         raise ConversionError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: llama with experts "
-            "(Mixtral), qwen3moe"
+            f"{path}: unsupported GGUF architecture {arch!r}; supported, with experts: " + supported
         )
-    model_type = GGUF_ARCHS[arch][0]
+    fam = GGUF_ARCHS[arch]
+    g = fam.gguf
+    assert g is not None
 
     def get(key: str, default: Any = None) -> Any:
         v = _field(reader, f"{arch}.{key}", default)
@@ -81,8 +73,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else int(names["token_embd.weight"].shape[1])
     cfg: dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if arch == "llama" else "Qwen3MoeForCausalLM"],
-        "model_type": model_type,
+        "architectures": [g.architectures],
+        "model_type": fam.model_type,
         "vocab_size": vocab,
         "hidden_size": H,
         "num_hidden_layers": int(get("block_count")),
@@ -95,20 +87,34 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         "max_position_embeddings": int(get("context_length")),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
+        fam.num_experts_key: int(get("expert_count")),
+        fam.d_ff_key: int(get(g.expert_ff_key)),
     }
-    if arch == "llama":
-        cfg["num_local_experts"] = int(get("expert_count"))
-        cfg["intermediate_size"] = int(get("feed_forward_length"))
-    else:
-        cfg["num_experts"] = int(get("expert_count"))
-        cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    if fam.d_ff_key != "intermediate_size":  # the dense MLP's size, when the arch has one
         cfg["intermediate_size"] = int(get("feed_forward_length", 0))
-        cfg.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    cfg.update(g.implied)
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)
-    return model_type, cfg
+    return fam.model_type, cfg
+
+
+def hf_names(fam: Family, spec: ModelSpec) -> dict[str, str]:
+    """{GGUF tensor name: HF name} of every dense tensor of `spec`, named by gguf's
+    TensorNameMap of the family's llama.cpp arch (as llama.cpp's converter names them)."""
+    import gguf
+
+    assert fam.gguf is not None
+    arch = getattr(gguf.MODEL_ARCH, fam.gguf.arch)
+    names = gguf.get_tensor_name_map(arch, len(spec.layers))
+    out = {}
+    for hf in dense_tensors(spec):
+        base, suffix = hf.rsplit(".", 1)
+        gname = names.get_name(base)
+        if gname is not None:
+            out[f"{gname}.{suffix}"] = hf
+    return out
 
 
 def gguf_tokenizer_files(meta: dict[str, Any], path: Path) -> list[tuple[str, bytes]]:
@@ -166,10 +172,14 @@ def convert_gguf(
     except Exception as exc:  # the reader raises ValueError/KeyError/... on bad files
         raise ConversionError(f"{src}: cannot read GGUF (truncated or malformed): {exc}") from None
     model_type, cfg = gguf_config(reader, src)
-    router = GGUF_ARCHS[_field(reader, "general.architecture")][1]
+    fam = GGUF_ARCHS[_field(reader, "general.architecture")]
+    try:
+        spec = model_spec(cfg)
+    except StoreError as exc:
+        raise ConversionError(f"{src}: {exc}") from None
+    hf_of, f32 = hf_names(fam, spec), f32_tensors(spec)
     H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
-    E = cfg.get("num_local_experts") or cfg["num_experts"]
-    I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # noqa: E741
+    E, I = cfg[fam.num_experts_key], cfg[fam.d_ff_key]  # noqa: E741
     experts: dict[int, dict[str, Any]] = {}
     dense: list[tuple[str, Any]] = []
     for t in reader.tensors:
@@ -184,16 +194,8 @@ def convert_gguf(
                     f"metadata implies {want}"
                 )
             experts.setdefault(int(m[1]), {})[m[2]] = t
-            continue
-        if t.name in _GLOBAL:
-            dense.append((_GLOBAL[t.name], t))
-        elif (
-            (m := _BLK.match(t.name))
-            and int(m[1]) < n
-            and (m[2] in _LAYER or m[2] == "ffn_gate_inp")
-        ):
-            hf = _LAYER.get(m[2], router)
-            dense.append((f"model.layers.{m[1]}.{hf}.weight", t))
+        elif t.name in hf_of:
+            dense.append((hf_of[t.name], t))
         else:
             raise ConversionError(f"{src}: unexpected tensor {t.name}")
     if sorted(experts) != list(range(n)):
@@ -218,13 +220,13 @@ def convert_gguf(
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         if len(shape) == 2 and shape[0] == 1 and hf.endswith("norm.weight"):
             shape = shape[1:]
-        plan.append((hf, dense_qtype(hf, shape, dense_quant), shape, t))
+        plan.append((hf, dense_qtype(hf, shape, dense_quant, f32), shape, t))
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with StoreWriter(out, layout, force=force) as w:
         w.begin_dense([(hf, qt, shape) for hf, qt, shape, _ in plan])
         bar = progress(total, f"convert {src.name}") if show_progress else None
         for hf, qt, shape, t in plan:
-            w.write_dense(hf, _dense_data(t, hf, qt, shape, cfg))
+            w.write_dense(hf, _dense_data(t, hf, qt, shape, cfg, fam))
             if bar is not None:
                 bar.update(int(t.n_bytes))
         for layer in range(n):
@@ -243,14 +245,18 @@ def convert_gguf(
         return w.finish(model_type, cfg, {"kind": "gguf", "name": src.name})
 
 
-def _dense_data(t: Any, hf: str, qtype: str, shape: tuple[int, ...], cfg: dict) -> np.ndarray:
+def _dense_data(
+    t: Any, hf: str, qtype: str, shape: tuple[int, ...], cfg: dict, fam: Family
+) -> np.ndarray:
     """The stored form of GGUF tensor `t` as dense `qtype`: its own bytes when the types agree,
-    else dequantized (gguf.quants) and requantized; Q/K rows un-permuted for Mixtral."""
+    else dequantized (gguf.quants) and requantized; Q/K rows un-permuted where the arch
+    permutes them (GGUFArch.rope_permute: llama)."""
     from gguf.quants import dequantize
 
     src_type = _TYPES.get(t.tensor_type.name)
     perm = None
-    if cfg["model_type"] == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    assert fam.gguf is not None
+    if fam.gguf.rope_permute and hf.endswith(("q_proj.weight", "k_proj.weight")):
         perm = cfg["num_attention_heads"] if "q_proj" in hf else cfg["num_key_value_heads"]
     data = np.asarray(t.data)
     if src_type == qtype:

@@ -4,17 +4,19 @@ Reads safetensors headers ourselves and each tensor (or one expert's slice of a 
 or a run of rows) with one pread, so nothing is mapped and peak memory is about one expert in
 float32 plus one 64 MiB chunk of a dense tensor. bf16 is widened exactly (bits << 16).
 
-Expert layouts (transformers 5.x `save_pretrained`, checked with save_original_format
-True/False):
-  hub / original   ...layers.L.{block_sparse_moe|mlp}.experts.E.{w1,w3,w2 | gate_proj,
-                   up_proj,down_proj}.weight   (Mixtral: w1 = gate, w3 = up, w2 = down)
+Expert layouts are the family's (models/<model_type>.py, Family.experts; transformers 5.x
+`save_pretrained` with save_original_format True/False):
+  hub / original   one tensor per expert and projection, e.g. Mixtral's
+                   ...layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
   fused (tf 5)     ...layers.L.mlp.experts.gate_up_proj [E, 2*I, H] (gate rows first, then up)
                    ...layers.L.mlp.experts.down_proj    [E, H, I]
   gpt-oss (both)   gate_up_proj [E, H, 2*I], gate/up interleaved on the last dim (gate = ::2,
                    up = 1::2), gate_up_proj_bias [E, 2*I] (same interleave), down_proj
                    [E, I, H], down_proj_bias [E, H]
-Dense names are stored in the original spelling: fused Mixtral's `mlp.gate.weight` becomes
-`block_sparse_moe.gate.weight`; every other name is kept as saved.
+Dense names are stored in the original spelling (Family.renames: fused Mixtral's
+`mlp.gate.weight` becomes `block_sparse_moe.gate.weight`); every other name is kept as saved.
+A multimodal family's language-model prefixes are renamed and the rest dropped
+(Family.text_prefixes). Dense tensors are checked against the spec's (models.spec.dense_tensors).
 """
 
 from __future__ import annotations
@@ -22,63 +24,44 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from colibri.convert import SUPPORTED_ARCHS, TOKENIZER_FILES, dense_qtype, progress, quantize
+from colibri.convert import TOKENIZER_FILES, dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
 from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
+from colibri.models.family import Family
+from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
+from colibri.registry import family, model_spec
 
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
-_PER_EXPERT = re.compile(
-    r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\."
-    r"(?P<w>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
-)
-_FUSED = re.compile(
-    r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)(?P<b>_bias)?$"
-)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
-_ROLE["down_proj"] = "down"
 _CHUNK_BYTES = 64 << 20  # dense tensors are converted this many source bytes at a time
 
 
-# the routed-expert count's config key (transformers 5 renamed qwen*_moe's num_experts)
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+def _pattern(fmt: str, **groups: str) -> re.Pattern[str]:
+    """A regex matching the names that format string `fmt` (ExpertNames) produces, each
+    {field} a named group matching groups[field]."""
+    out = ""
+    for part in re.split(r"(\{\w+\})", fmt):
+        key = part[1:-1] if part.startswith("{") else None
+        out += f"(?P<{key}>{groups[key]})" if key else re.escape(part)
+    return re.compile(f"^{out}$")
 
 
-@dataclass(frozen=True)
-class _Arch:
-    num_experts: str  # config key of the routed expert count
-    d_ff: str  # config key of one expert's intermediate size
-    fused: str  # "concat" ([E, 2I, H]) or "interleaved_t" (gpt-oss)
-
-
-ARCHS = {
-    "mixtral": _Arch("num_local_experts", "intermediate_size", "concat"),
-    "qwen2_moe": _Arch("num_experts", "moe_intermediate_size", "concat"),
-    "qwen3_moe": _Arch("num_experts", "moe_intermediate_size", "concat"),
-    "olmoe": _Arch("num_experts", "intermediate_size", "concat"),
-    "deepseek_v2": _Arch("n_routed_experts", "moe_intermediate_size", "concat"),
-    "deepseek_v3": _Arch("n_routed_experts", "moe_intermediate_size", "concat"),
-    "glm4_moe": _Arch("n_routed_experts", "moe_intermediate_size", "concat"),
-    "gpt_oss": _Arch("num_local_experts", "intermediate_size", "interleaved_t"),
-}
-assert set(ARCHS) == set(SUPPORTED_ARCHS)
-
-
-def moe_layer_ids(model_type: str, cfg: dict[str, Any]) -> list[int]:
-    """Layers with routed experts, by each architecture's transformers rule."""
-    n = int(cfg["num_hidden_layers"])
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        skip, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1))
-        return [i for i in range(n) if i not in skip and (i + 1) % step == 0]
-    if model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        return list(range(int(cfg.get("first_k_dense_replace", 0)), n))
-    return list(range(n))
+def expert_patterns(fam: Family) -> tuple[re.Pattern[str] | None, re.Pattern[str], dict[str, str]]:
+    """(per-expert regex or None, fused regex, {proj spelling: role}) of `fam`'s experts."""
+    ex = fam.experts
+    role_of = {proj: role for role, proj in ex.projs.items()}
+    per = None
+    if ex.per_expert is not None:
+        projs = "|".join(re.escape(p) for p in role_of)
+        per = _pattern(ex.per_expert, layer=r"\d+", expert=r"\d+", proj=projs)
+    fused = _pattern(ex.fused + ".{w}{b}", layer=r"\d+", w="gate_up_proj|down_proj", b="(?:_bias)?")
+    return per, fused, role_of
 
 
 class Checkpoint:
@@ -159,37 +142,56 @@ def _sort_key(name: str) -> tuple[int, str]:
     return (_layer_of(name), name)
 
 
+def text_names(ck: Checkpoint, fam: Family) -> dict[str, str]:
+    """{source name: language-model name} of the checkpoint's tensors. For a multimodal
+    family (Family.text_prefixes) the language model's prefixes are renamed and every other
+    tensor is dropped, with a note saying how many and under which prefixes."""
+    if not fam.text_prefixes:
+        return {name: name for name in ck.meta}
+    out, dropped = {}, {}
+    for name in ck.meta:
+        for src, dst in fam.text_prefixes:
+            if name.startswith(src):
+                out[name] = dst + name[len(src) :]
+                break
+        else:
+            top = name.split(".", 2)
+            key = ".".join(top[:2]) if len(top) > 2 else top[0]
+            dropped[key] = dropped.get(key, 0) + 1
+    if dropped:
+        what = ", ".join(f"{k}.* ({n})" for k, n in sorted(dropped.items()))
+        print(f"note: {ck.src}: kept the language model only; dropped {what}", file=sys.stderr)
+    return out
+
+
 def plan_experts(
-    ck: Checkpoint, model_type: str, cfg: dict[str, Any]
+    ck: Checkpoint, fam: Family, spec: ModelSpec, names: dict[str, str]
 ) -> tuple[dict[int, dict[str, Any]], set[str], int, int, int]:
-    """Find every expert tensor and check it against the config.
+    """Find every expert tensor (names: source name -> language-model name, see text_names)
+    and check it against the spec.
 
     Returns ({layer: {"per": {(e, role): name}} or {"fused": {key: name}}}, names used,
     num_experts, d_model, d_ff). Raises ConversionError for missing/extra experts, shapes
     that disagree with the config, or MoE layers other than the config's."""
-    arch = ARCHS[model_type]
-    try:
-        E = int(cfg[next((k for k in _EXPERT_KEYS if k in cfg), arch.num_experts)])
-        H, I = int(cfg["hidden_size"]), int(cfg[arch.d_ff])  # noqa: E741
-        n_layers = int(cfg["num_hidden_layers"])
-    except KeyError as exc:
-        raise ConversionError(f"{ck.src / 'config.json'}: missing field {exc}") from None
+    E, H, I = spec.moe.router.num_experts, spec.d_model, spec.moe.d_ff  # noqa: E741
+    n_layers = len(spec.layers)
+    per_re, fused_re, role_of = expert_patterns(fam)
     per: dict[int, dict[tuple[int, str], str]] = {}
     fused: dict[int, dict[str, str]] = {}
-    for name in ck.meta:
-        if m := _PER_EXPERT.match(name):
-            layer, e = int(m["layer"]), int(m["e"])
+    for name, text in names.items():
+        if per_re is not None and (m := per_re.match(text)):
+            layer, e = int(m["layer"]), int(m["expert"])
             if e >= E:
                 raise ConversionError(f"{ck.src}: extra tensor {name!r}: expert {e} >= {E}")
-            per.setdefault(layer, {})[(e, _ROLE[m["w"]])] = name
-        elif m := _FUSED.match(name):
-            fused.setdefault(int(m["layer"]), {})[m["w"] + (m["b"] or "")] = name
-    want = moe_layer_ids(model_type, cfg)
+            per.setdefault(layer, {})[(e, role_of[m["proj"]])] = name
+        elif m := fused_re.match(text):
+            fused.setdefault(int(m["layer"]), {})[m["w"] + m["b"]] = name
+    want = [layer.index for layer in spec.layers if layer.moe]
     have = sorted(set(per) | set(fused))
     have_in = [x for x in have if x < n_layers]
     if have_in != want:
         raise ConversionError(
-            f"{ck.src}: config.json ({model_type}) puts experts in layers {_ranges(want)}, "
+            f"{ck.src}: config.json ({fam.model_type}) puts experts in layers {_ranges(want)}, "
             f"the weights have them in layers {_ranges(have_in)}"
         )
     plan: dict[int, dict[str, Any]] = {}
@@ -211,7 +213,7 @@ def plan_experts(
             used |= set(got.values())
             continue
         got = fused[layer]
-        if arch.fused == "interleaved_t":
+        if fam.experts.fused_layout == "interleaved_t":
             need = {
                 "gate_up_proj": (E, H, 2 * I),
                 "down_proj": (E, I, H),
@@ -220,11 +222,10 @@ def plan_experts(
             }
         else:
             need = {"gate_up_proj": (E, 2 * I, H), "down_proj": (E, H, I)}
+        prefix = fam.experts.fused.format(layer=layer)
         for key, shape in need.items():
             if key not in got:
-                raise ConversionError(
-                    f"{ck.src}: missing tensor model.layers.{layer}.mlp.experts.{key}"
-                )
+                raise ConversionError(f"{ck.src}: missing tensor {prefix}.{key}")
             _check_shape(ck, got[key], shape)
         for key in set(got) - set(need):
             raise ConversionError(f"{ck.src}: unexpected tensor {got[key]!r}")
@@ -249,47 +250,44 @@ def _ranges(ids: list[int]) -> str:
     return str(ids)
 
 
-def dense_name(model_type: str, name: str) -> str:
-    """The original-format (hub) name of a dense tensor saved by transformers 5."""
-    if model_type == "mixtral":
-        return re.sub(r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight", name)
-    return name
-
-
 def plan_dense(
-    ck: Checkpoint, model_type: str, cfg: dict[str, Any], used: set[str], dense_quant: str
+    ck: Checkpoint,
+    fam: Family,
+    spec: ModelSpec,
+    cfg: dict[str, Any],
+    names: dict[str, str],
+    used: set[str],
+    dense_quant: str,
 ) -> list[tuple[str, str, str, tuple[int, ...]]]:
-    """[(source name, store name, qtype, shape)] of every dense tensor, layer order.
+    """[(source name, store name, qtype, shape)] of every dense tensor, layer order; store
+    names are the hub spelling (Family.rename of the language-model name).
 
     Raises ConversionError for tensors of layers beyond num_hidden_layers (besides DeepSeek's
     num_nextn_predict_layers MTP layers, which are skipped), unexpected top-level names, and
-    missing embeddings, final norm, lm_head (unless tied) or per-layer norms."""
-    n = int(cfg["num_hidden_layers"])
+    any tensor the spec expects (models.spec.dense_tensors) that is missing or has another
+    shape; other tensors inside a layer are kept as they are."""
+    n = len(spec.layers)
     mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    stored = {name: fam.rename(names[name]) for name in names if name not in used}
+    f32 = f32_tensors(spec)
     out = []
-    for name in sorted(set(ck.meta) - used, key=lambda n: _sort_key(dense_name(model_type, n))):
-        layer = _layer_of(name)
-        if layer >= n + mtp or (layer < 0 and not name.startswith(("model.", "lm_head."))):
+    for name in sorted(stored, key=lambda x: _sort_key(stored[x])):
+        layer = _layer_of(stored[name])
+        if layer >= n + mtp or (layer < 0 and not stored[name].startswith(("model.", "lm_head."))):
             raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation
-        qt = dense_qtype(dense_name(model_type, name), ck.shape(name), dense_quant)
-        out.append((name, dense_name(model_type, name), qt, ck.shape(name)))
-    names = {x[1] for x in out}
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.get("tie_word_embeddings", False):
-        need.append("lm_head.weight")
-    for i in range(n):
-        need += [f"model.layers.{i}.input_layernorm.weight"]
-    for name in need:
-        if name not in names:
+        qt = dense_qtype(stored[name], ck.shape(name), dense_quant, f32)
+        out.append((name, stored[name], qt, ck.shape(name)))
+    shapes = {store: shape for _, store, _, shape in out}
+    for name, shape in dense_tensors(spec).items():
+        if name not in shapes:
             raise ConversionError(f"{ck.src}: missing tensor {name!r}")
-    emb = ck.shape("model.embed_tokens.weight")
-    if "vocab_size" in cfg and emb != (int(cfg["vocab_size"]), int(cfg["hidden_size"])):
-        raise ConversionError(
-            f"{ck.src}: tensor 'model.embed_tokens.weight' has shape {list(emb)}, config.json "
-            f"vocab_size x hidden_size is {[cfg['vocab_size'], cfg['hidden_size']]}"
-        )
+        if shapes[name] != shape:
+            raise ConversionError(
+                f"{ck.src}: tensor {name!r} has shape {list(shapes[name])}, config.json "
+                f"implies {list(shape)}"
+            )
     return out
 
 
@@ -363,16 +361,19 @@ def convert_hf(
         cfg = json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise ConversionError(f"{cfg_path}: not valid JSON: {exc}") from None
-    model_type = cfg.get("model_type")
-    if model_type not in ARCHS:
-        raise ConversionError(
-            f"{cfg_path}: unsupported architecture {model_type!r}; supported: "
-            + ", ".join(SUPPORTED_ARCHS)
-        )
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"{cfg_path}: not a JSON object")
+    try:
+        fam = family(cfg.get("model_type"))
+        spec = model_spec(cfg)
+    except StoreError as exc:
+        raise ConversionError(f"{cfg_path}: {exc}") from None
+    model_type = fam.model_type
     ck = Checkpoint(src)
-    experts, used, E, H, I = plan_experts(ck, model_type, cfg)  # noqa: E741
-    dense = plan_dense(ck, model_type, cfg, used, dense_quant)
-    layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")
+    names = text_names(ck, fam)
+    experts, used, E, H, I = plan_experts(ck, fam, spec, names)  # noqa: E741
+    dense = plan_dense(ck, fam, spec, fam.resolve_config(cfg), names, used, dense_quant)
+    layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
     total = sum(ck.nbytes(n) for n in ck.meta)
     bar = progress(total, f"convert {src.name}") if show_progress else None
     try:

@@ -10,6 +10,7 @@ from typing import Any
 
 from colibri.models.deepseek_v2 import layers_of
 from colibri.models.deepseek_v3 import sigmoid_router
+from colibri.models.family import Family
 from colibri.models.spec import (
     ModelSpec,
     MoESpec,
@@ -22,11 +23,65 @@ from colibri.models.spec import (
 
 
 def model_spec(config: dict[str, Any]) -> ModelSpec:
-    rope = config.get("rope_parameters") or {}
-    if get(config, "partial_rotary_factor") is None and rope.get("partial_rotary_factor") is None:
-        config = {**config, "partial_rotary_factor": 0.5}  # Glm4MoeConfig's default
+    # partial_rotary_factor (Glm4MoeConfig's default 0.5) is in the resolved rope_parameters
     qk_norm = bool(get(config, "use_qk_norm", default=False))
     attn = standard_attention(config, qk_norm="head" if qk_norm else "none")
-    layers = layers_of(config, attn, lambda p: attention_names(p, qk_norm=qk_norm), True)
+    biases = frozenset("qkv") if get(config, "attention_bias", default=False) else frozenset()
+    names = lambda p: attention_names(p, qk_norm=qk_norm)  # noqa: E731
+    layers = layers_of(config, attn, names, True, biases)
     moe = MoESpec(router=sigmoid_router(config), d_ff=require(config, "moe_intermediate_size"))
     return base_spec(config, layers, moe, "glm4_moe")
+
+
+FAMILY = Family(
+    model_type="glm4_moe",
+    model_spec=model_spec,
+    defaults={  # Glm4MoeConfig
+        "vocab_size": 151552,
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "attention_bias": False,
+        "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_routed_experts": 128,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "use_qk_norm": False,
+        "tie_word_embeddings": False,
+    },
+    aliases={"num_local_experts": "n_routed_experts"},
+    num_experts_key="n_routed_experts",
+    d_ff_key="moe_intermediate_size",
+    test_configs={
+        "glm4_moe": dict(
+            head_dim=32,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.8,
+        ),
+    },
+)

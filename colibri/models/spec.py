@@ -58,7 +58,6 @@ class MoESpec:
     router: RouterSpec
     d_ff: int  # moe_intermediate_size / intermediate_size of one routed expert
     act: Literal["silu", "gelu", "swiglu_oai"] = "silu"
-    shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) scales the shared expert
     alpha: float = 1.702  # swiglu_oai constants (gpt-oss)
     limit: float = 7.0
 
@@ -73,7 +72,11 @@ class LayerSpec:
     #        (MLA: q or q_a q_a_norm q_b, kv_a kv_a_norm kv_b, o)
     #        shared_gate_proj shared_up_proj shared_down_proj shared_expert_gate
     #        mlp_gate_proj mlp_up_proj mlp_down_proj sinks
+    # shared_expert_gate present: sigmoid(shared_expert_gate(x)) scales the shared expert.
     names: dict[str, str] = field(default_factory=dict)
+    mlp_d_ff: int = 0  # intermediate size of the dense MLP (mlp_* roles)
+    shared_d_ff: int = 0  # intermediate size of the shared expert(s) (shared_* roles)
+    biases: frozenset[str] = frozenset()  # roles whose projection has a `.bias`
 
 
 @dataclass(frozen=True)
@@ -222,3 +225,67 @@ def base_spec(
         moe=moe,
         lm_head="model.embed_tokens" if tied else "lm_head",
     )
+
+
+def f32_tensors(spec: ModelSpec) -> frozenset[str]:
+    """The 2-D dense tensors stored f32 whatever the dense quant type: routers (and their
+    biases) and qwen2_moe's shared_expert_gate; 1-D tensors are always f32."""
+    out = set()
+    for layer in spec.layers:
+        for role in ("router", "shared_expert_gate"):
+            if role in layer.names:
+                out |= {f"{layer.names[role]}.weight", f"{layer.names[role]}.bias"}
+    return frozenset(out)
+
+
+def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every dense tensor a store of `spec` holds, stored (hub) name -> logical shape, in
+    store order: embeddings, then layer by layer, then the final norm and lm_head (absent when
+    tied). Projections are [out_features, in_features]; a role in `LayerSpec.biases` also has
+    `<name>.bias` [out_features]; sinks and e_score_correction_bias are named as they are."""
+    d, E = spec.d_model, spec.moe.router.num_experts
+    out: dict[str, tuple[int, ...]] = {f"{spec.embed}.weight": (spec.vocab_size, d)}
+    for layer in spec.layers:
+        a, n = layer.attention, layer.names
+        shapes: dict[str, tuple[int, ...]] = {"input_norm": (d,), "post_norm": (d,)}
+        q_out, o_in = a.n_heads * a.head_dim, a.n_heads * a.v_head_dim
+        if a.mla is not None:
+            m = a.mla
+            if m.q_lora_rank is None:
+                shapes["q"] = (q_out, d)
+            else:
+                shapes |= {"q_a": (m.q_lora_rank, d), "q_a_norm": (m.q_lora_rank,)}
+                shapes["q_b"] = (q_out, m.q_lora_rank)
+            shapes |= {"kv_a": (m.kv_lora_rank + a.rot_dim, d), "kv_a_norm": (m.kv_lora_rank,)}
+            shapes["kv_b"] = (a.n_heads * (m.qk_nope_head_dim + a.v_head_dim), m.kv_lora_rank)
+        else:
+            shapes |= {"q": (q_out, d), "k": (a.n_kv_heads * a.head_dim, d)}
+            shapes["v"] = (a.n_kv_heads * a.v_head_dim, d)
+        shapes["o"] = (d, o_in)
+        if a.qk_norm == "head":
+            shapes |= {"q_norm": (a.head_dim,), "k_norm": (a.head_dim,)}
+        elif a.qk_norm == "full":
+            shapes |= {"q_norm": (q_out,), "k_norm": (a.n_kv_heads * a.head_dim,)}
+        if a.sinks:
+            shapes["sinks"] = (a.n_heads,)
+        if layer.moe:
+            shapes["router"] = (E, d)
+            if "correction_bias" in n:
+                shapes["correction_bias"] = (E,)
+        for kind, ff in (("mlp", layer.mlp_d_ff), ("shared", layer.shared_d_ff)):
+            if f"{kind}_gate_proj" in n:
+                shapes |= {f"{kind}_gate_proj": (ff, d), f"{kind}_up_proj": (ff, d)}
+                shapes[f"{kind}_down_proj"] = (d, ff)
+        if "shared_expert_gate" in n:
+            shapes["shared_expert_gate"] = (1, d)
+        for role, shape in shapes.items():
+            if role in ("sinks", "correction_bias"):
+                out[n[role]] = shape
+                continue
+            out[f"{n[role]}.weight"] = shape
+            if role in layer.biases:
+                out[f"{n[role]}.bias"] = shape[:1]
+    out[f"{spec.final_norm}.weight"] = (d,)
+    if spec.lm_head != spec.embed:
+        out[f"{spec.lm_head}.weight"] = (spec.vocab_size, d)
+    return out

@@ -1,0 +1,149 @@
+"""What a family file declares besides its ModelSpec: the one record the converter, the GGUF
+exporter / importer, the synthetic-store tool and the tests derive from.
+
+A family file `colibri/models/<model_type>.py` defines `FAMILY = Family(...)`; the registry
+discovers every module of this package that has one. Everything here is data plus pure
+functions of a config.json dict: no engine, pipeline, io reader or converter is imported.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from colibri.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a checkpoint keeps the routed experts of layer L (tensor names as saved).
+
+    per_expert: the hub ("original") layout, one tensor per expert and projection, a format
+    string with {layer}, {expert}, {proj}; projs names gate / up / down's {proj}. None when the
+    family has no such layout (gpt-oss). fused: transformers 5's layout, a format string with
+    {layer} naming the prefix of `gate_up_proj` and `down_proj` (and `*_bias`), stacked over
+    experts: "concat" is [E, 2*I, H] gate rows then up rows and [E, H, I]; "interleaved_t" is
+    gpt-oss's [E, H, 2*I] with gate = [..., ::2], up = [..., 1::2] and [E, I, H], with biases
+    gate_up_proj_bias [E, 2*I] (same interleave) and down_proj_bias [E, H].
+    """
+
+    per_expert: str | None = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+    projs: dict[str, str] = field(
+        default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    )
+    fused: str = "model.layers.{layer}.mlp.experts"
+    fused_layout: Literal["concat", "interleaved_t"] = "concat"
+
+    @property
+    def biases(self) -> bool:
+        """Whether the experts have biases (then records hold gate/up/down_bias, f32)."""
+        return self.fused_layout == "interleaved_t"
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """The llama.cpp architecture a family maps to (export and import).
+
+    arch: gguf.MODEL_ARCH member name ("LLAMA"); name: its `general.architecture` string.
+    architectures: the HF `architectures` entry written into an imported config.
+    rope_permute: llama.cpp rotates adjacent pairs where HF rotates halves, so q/k rows are
+    permuted head by head (convert_hf_to_gguf.py LlamaModel.permute).
+    expert_ff_key: the GGUF key holding the experts' d_ff ("feed_forward_length" or
+    "expert_feed_forward_length"); implied: config values llama.cpp's arch assumes (the
+    exporter refuses a store whose resolved config differs; the importer writes them).
+    """
+
+    arch: str
+    name: str
+    architectures: str
+    rope_permute: bool = False
+    expert_ff_key: str = "expert_feed_forward_length"
+    implied: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything colibri knows about one Hugging Face model_type.
+
+    model_spec: config.json dict (resolved by `resolve_config`: aliases mapped, defaults
+    filled) -> ModelSpec; raises ValueError / KeyError / TypeError naming a bad field.
+    defaults: the transformers config class's default of every key model_spec reads (a test
+    checks them against transformers.AutoConfig.for_model); "rope_parameters" is the default
+    rope dict, combined with `rope_theta` / `rope_scaling` as transformers does.
+    aliases: the config class's attribute_map (alias -> key), e.g. qwen3_moe's num_experts.
+    num_experts_key / d_ff_key: config keys of the routed expert count and one expert's
+    intermediate size. experts: where the checkpoint keeps them.
+    renames: (regex, replacement) applied to a transformers-5 dense tensor name to get the
+    stored (hub) spelling, e.g. fused Mixtral's `mlp.gate` -> `block_sparse_moe.gate`.
+    text_prefixes: multimodal checkpoints: (source prefix, stored prefix) of the language
+    model's tensors (e.g. ("model.language_model.", "model.")); when set, every other tensor
+    (vision tower, projector) is dropped with a note. text_model_type: the model_type of the
+    `text_config` (the transformers config class whose defaults apply), when the family's
+    config.json keeps the language model under `text_config`.
+    gguf: the llama.cpp architecture, or None (no GGUF export / import).
+    test_configs: tiny configs for the tests, case name -> config overrides on top of the
+    tests' common dims (hidden 64, 4 heads, 3 layers...); the case named `model_type` is the
+    family's base case.
+    """
+
+    model_type: str
+    model_spec: Callable[[dict[str, Any]], ModelSpec]
+    defaults: dict[str, Any]
+    num_experts_key: str
+    d_ff_key: str
+    aliases: dict[str, str] = field(default_factory=dict)
+    experts: ExpertNames = field(default_factory=ExpertNames)
+    renames: tuple[tuple[str, str], ...] = ()
+    text_prefixes: tuple[tuple[str, str], ...] = ()
+    text_model_type: str | None = None
+    gguf: GGUFArch | None = None
+    test_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def resolve_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json as the family's model_spec reads it: the language model's
+        `text_config` when there is one (model_type kept), aliases mapped to their keys, and
+        every key the file leaves out set to the transformers config class default."""
+        text = config.get("text_config")
+        if self.text_model_type is not None and isinstance(text, dict):
+            config = {**text, "model_type": config.get("model_type")}
+        out = dict(config)
+        for alias, key in self.aliases.items():
+            if alias in out and key not in out:
+                out[key] = out[alias]
+        for key, value in self.defaults.items():
+            if key != "rope_parameters" and key not in out:
+                out[key] = value
+        if "rope_parameters" in self.defaults:
+            out["rope_parameters"] = _rope_parameters(config, self.defaults["rope_parameters"])
+        return out
+
+    def rename(self, name: str) -> str:
+        """The stored name of transformers-5 dense tensor `name` (see `renames`)."""
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        return name
+
+
+def _rope_parameters(config: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """The rope dict transformers 5 builds: `rope_parameters` as given, else `rope_scaling`
+    with `rope_theta` (or the default theta), else the class default with `rope_theta`
+    replaced; a top-level `partial_rotary_factor` joins, and a default one fills a gap."""
+    given = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    if isinstance(given, dict) and given:
+        params = dict(given)
+        params.setdefault("rope_theta", config.get("rope_theta", default["rope_theta"]))
+    elif isinstance(scaling, dict) and scaling:
+        params = dict(scaling)
+        params.setdefault("rope_theta", config.get("rope_theta", default["rope_theta"]))
+    else:
+        params = dict(default)
+        if config.get("rope_theta") is not None:
+            params["rope_theta"] = config["rope_theta"]
+    if config.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if "partial_rotary_factor" in default:
+        params.setdefault("partial_rotary_factor", default["partial_rotary_factor"])
+    return params
