@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("colibri.io.replay", "replay a routing trace through the reader and cache"),
     "selfcheck": ("colibri.compute.selfcheck", "check every kernel against its reference"),
     "bench": ("colibri.bench_cli", "report: colibri vs llama.cpp vs this machine's limits"),
+    "plan": ("colibri.plan", "what a run will keep in RAM and how fast it can decode"),
 }
 
 
