@@ -134,7 +134,7 @@ def memory_read_gbps(nbytes: int = 256 << 20, nthreads: int = 0, repeat: int = 3
     return a.nbytes / best / GB
 
 
-MEMORY_READ_METHOD = "numpy sum over 256 MiB, all threads (a lower bound on a kernel's read)"
+MEMORY_READ_METHOD = "numpy sum over a buffer far above L3, all threads: a lower bound"
 
 
 @dataclass(frozen=True)
