@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("colibri.bench_cli", "report: colibri vs llama.cpp vs this machine's limits"),
     "plan": ("colibri.plan", "what a run will keep in RAM and how fast it can decode"),
     "doctor": ("colibri.doctor", "why a run is slow: io_uring, O_DIRECT, huge pages, memory, disk"),
+    "tune": ("colibri.tune", "measure disk, memory and threads once; save the machine profile"),
 }
 
 
