@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("colibri.plan", "what a run will keep in RAM and how fast it can decode"),
     "doctor": ("colibri.doctor", "why a run is slow: io_uring, O_DIRECT, huge pages, memory, disk"),
     "tune": ("colibri.tune", "measure disk, memory and threads once; save the machine profile"),
+    "mirror": ("colibri.io.mirror", "copy a store's experts file to another drive, verified"),
 }
 
 

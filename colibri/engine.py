@@ -95,6 +95,10 @@ class EngineOptions:
     queue_depth: int = 32
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
+    # copies of the experts file (`colibri mirror`), read through io/mirror.py's MirrorReader;
+    # mirror_weights: one read share per copy, the store's first (default equal)
+    mirrors: tuple[str, ...] = ()
+    mirror_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -116,6 +120,11 @@ class EngineOptions:
             raise bad("activations", "must be f32 or q8_0")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
+        if self.mirror_weights is not None and (
+            len(self.mirror_weights) != 1 + len(self.mirrors)
+            or not all(w > 0 for w in self.mirror_weights)
+        ):
+            raise bad("mirror_weights", f"needs {1 + len(self.mirrors)} positive read shares")
 
 
 @dataclass(frozen=True)
@@ -192,11 +201,28 @@ class Engine:
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
         self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
-        self.reader = open_reader(
-            store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
-        )
+        if options.mirrors:
+            from colibri.io.mirror import open_mirrored_reader
+
+            self.reader = open_mirrored_reader(
+                store,
+                options.mirrors,
+                options.io,
+                pool=self.pool,
+                queue_depth=options.queue_depth,
+                weights=options.mirror_weights,
+                verify=options.verify,  # checked per copy there, so a bad copy fails over
+            )
+        else:
+            self.reader = open_reader(
+                store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
+            )
         self.cache = ExpertCache(
-            store, self.reader, budget, policy=options.policy, verify=options.verify
+            store,
+            self.reader,
+            budget,
+            policy=options.policy,
+            verify=options.verify and not options.mirrors,
         )
         self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)

@@ -111,6 +111,14 @@ def add_machine_options(g: Any) -> None:
         help="expert reads in flight at most (default: the profile's, else 32)",
     )
     g.add_argument(
+        "--mirror",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a copy of the experts file made by `colibri mirror` (repeatable): each record is "
+        "read from one copy, spread by drive speed; a bad copy fails over to another",
+    )
+    g.add_argument(
         "--no-profile",
         action="store_true",
         help="ignore the machine profile of `colibri tune` (threads, queue depth, budget)",
@@ -191,6 +199,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts = {k: getattr(args, k) for k in ENGINE_OPTIONS}
     if getattr(args, "queue_depth", None) is not None:
         opts["queue_depth"] = args.queue_depth
+    if getattr(args, "mirror", None):
+        opts["mirrors"] = tuple(args.mirror)
     return opts
 
 
@@ -219,7 +229,27 @@ def engine_options(args: argparse.Namespace, path: Path) -> tuple[dict[str, Any]
             store, opts["n_ctx"], opts["kv_dtype"]
         )
         opts["budget"] = profile_budget(profile, experts, resident) or None
+    if opts.get("mirrors"):
+        from colibri.io.mirror import open_mirror
+
+        files = [store.experts_path] + [open_mirror(store, d).experts_path for d in opts["mirrors"]]
+        gbps = [profile.drive_gbps(f, opts.get("queue_depth") or 32) for f in files]
+        if all(gbps):
+            opts["mirror_weights"] = tuple(gbps)
     return opts, profile.path
+
+
+def mirror_line(engine: Engine) -> str:
+    """Per-copy read statistics of a mirrored reader ("" for a single copy)."""
+    drives = getattr(engine.reader, "drive_statistics", None)
+    if drives is None:
+        return ""
+    parts = [
+        f"{d.path}: {d.reads} reads, {_mib(d.bytes_read)}, {d.gbps:.2f} GB/s, share "
+        f"{d.weight:.0%}, {d.errors} read errors, {d.checksum_failures} checksum failures"
+        for d in drives()
+    ]
+    return f"[mirror: {'; '.join(parts)}; {engine.reader.failovers} failovers]"
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,6 +327,8 @@ async def _run(args: argparse.Namespace) -> int:
         _say_backend(engine, args.io)
         echo = prompt if isinstance(prompt, str) else ""
         await _print_stream(engine, prompt, _sampling(args), echo, profile)
+        if line := mirror_line(engine):
+            print(line, file=sys.stderr)
     return 0
 
 
