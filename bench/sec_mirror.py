@@ -2,12 +2,13 @@
 
 A synthetic experts file of 1 MiB checksummed records (512 MiB in quick mode, 1 GiB in full)
 under --work (the disk measured), copied to each `--mirror DIR` given to `colibri bench`, else
-to /dev/shm (tmpfs: RAM standing in for a second, faster drive; this machine has one disk) and
-to a second file on the same disk (two copies on one drive: no gain expected). Each figure
-reads every record PASSES times (2 quick, 4 full) in random order at queue depth 32 through
-colibri's UringReader (O_DIRECT) per copy alone, and through io/mirror.py's MirrorReader over the copies, with equal weights and
-with weights from each copy's own GB/s measured in the same round. Checksums are off in every
-contestant (this measures reads, not hashing). Rounds are interleaved; medians are quoted.
+to /dev/shm (tmpfs: RAM standing in for a second drive; this machine has one disk) and to a
+second file on the same disk (two copies on one drive: no gain expected). Each figure reads
+every record PASSES times (2 quick, 4 full) in random order at queue depth 32 through
+colibri's UringReader (O_DIRECT) per copy alone, and through io/mirror.py's MirrorReader over
+the copies, with equal weights and with weights from each copy's own GB/s measured in the
+same round. Checksums are off in every contestant (this measures reads, not hashing). Rounds
+are interleaved; medians are quoted.
 """
 
 from __future__ import annotations
