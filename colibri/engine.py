@@ -383,6 +383,26 @@ class Engine:
         """The whole completion as one string (same arguments as stream())."""
         return "".join([t.text async for t in self.stream(prompt, **kw)])
 
+    # ---- sessions: conversations kept across turns and restarts (colibri/session.py) ----
+    def new_session(self, messages: list[dict[str, Any]] | None = None) -> Any:
+        """A Session: one conversation whose KV cache stays between turns (session.py)."""
+        from colibri.session import Session
+
+        return Session(self, self.new_sequence(), list(messages or []))
+
+    def save_session(self, path: str | os.PathLike[str], session: Any) -> Path:
+        """Write the session (tokens, KV cache, messages) to `path` atomically."""
+        from colibri.session import save_session
+
+        return save_session(self, session, path)
+
+    def load_session(self, path: str | os.PathLike[str]) -> Any:
+        """The Session saved at `path`, continuing exactly where it stopped. Raises
+        SessionError for a session of another store or config, or a damaged file."""
+        from colibri.session import load_session
+
+        return load_session(self, path)
+
     def statistics(self) -> dict[str, Any]:
         """The engine's figures: cache, prefetcher, reader, slab pool, pipeline times."""
         return {

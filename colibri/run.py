@@ -167,6 +167,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 def configure_chat_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument(
+        "--session",
+        metavar="FILE",
+        help="keep the conversation (tokens, KV cache, messages) in FILE, written after each "
+        "answer; an existing FILE is resumed where it stopped",
+    )
     add_sampling_options(p)
     add_engine_options(p)
 
@@ -292,12 +298,18 @@ def statistics_line(
 
 
 async def _print_stream(
-    engine: Engine, prompt: Any, sampling: dict[str, Any], echo: str = "", profile: str = ""
+    engine: Engine,
+    prompt: Any,
+    sampling: dict[str, Any],
+    echo: str = "",
+    profile: str = "",
+    session: Any = None,
 ) -> str:
     """Stream one answer to stdout (after `echo`, printed once generation has started);
     returns its text. Ctrl-C (cancellation) ends it early."""
     text = []
-    async for tok in engine.stream(prompt, **sampling):
+    source = session if session is not None else engine
+    async for tok in source.stream(prompt, **sampling):
         sys.stdout.write(echo + tok.text)
         echo = ""
         sys.stdout.flush()
@@ -344,6 +356,18 @@ async def _chat(args: argparse.Namespace) -> int:
     opts, profile = engine_options(args, _model_path(args))
     async with open_engine(_model_path(args), **opts) as engine:
         _say_backend(engine, args.io)
+        session = None
+        if args.session and Path(args.session).exists():
+            session = engine.load_session(args.session)
+            messages = session.messages
+            print(
+                f"colibri chat: resumed {args.session}: {len(messages)} messages, "
+                f"{len(session.tokens)} tokens in the KV cache",
+                file=sys.stderr,
+            )
+        elif args.session:
+            session = engine.new_session(messages)
+            messages = session.messages
         print(
             "colibri chat: empty line or Ctrl-D to quit, Ctrl-C stops an answer.", file=sys.stderr
         )
@@ -356,7 +380,7 @@ async def _chat(args: argparse.Namespace) -> int:
                 break
             messages.append({"role": "user", "content": line})
             task = asyncio.ensure_future(
-                _print_stream(engine, messages, _sampling(args), profile=profile)
+                _print_stream(engine, messages, _sampling(args), profile=profile, session=session)
             )
             loop.add_signal_handler(signal.SIGINT, task.cancel)  # Ctrl-C stops this answer
             try:
@@ -367,6 +391,8 @@ async def _chat(args: argparse.Namespace) -> int:
             finally:
                 loop.remove_signal_handler(signal.SIGINT)
             messages.append({"role": "assistant", "content": answer})
+            if session is not None:
+                engine.save_session(args.session, session)
     return 0
 
 
