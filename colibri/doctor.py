@@ -218,6 +218,8 @@ def run_checks(path: Path, *, verify: bool = False, **plan_options) -> list[Chec
     profile = None
     try:
         profile = machine.load_profile()
+        found = f"{profile.path} ({profile.created})" if profile else "none: run/chat use defaults"
+        checks.append(Check("ok", "profile", found + ("" if profile else "; `colibri tune`")))
     except ColibriError as exc:
         checks.append(Check("warn", "profile", str(exc), "rerun `colibri tune`"))
     plan = make_plan(store, profile=profile, measure=False, **plan_options)

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from colibri.machine import (
     load_profile,
     meminfo,
     memory_read_gbps,
+    mount_of,
     profile_budget,
     store_sweep,
 )
@@ -122,10 +124,12 @@ def make_plan(
     trace: str | None = None,
     profile: MachineProfile | None = None,
     measure: bool = True,
+    mirrors: Seq[str] = (),
 ) -> dict[str, Any]:
     """The plan as a JSON-able dict (schema: docs/OPERATIONS.md). Measures the disk (a short
     sweep of the store's own records) and memory bandwidth when the profile lacks them and
-    `measure` is true; bounds are None when a figure is missing."""
+    `measure` is true; bounds are None when a figure is missing. mirrors: mirror directories
+    (colibri mirror) whose drives add their bandwidth to the storage bound."""
     spec = model_spec(store.config)
     mem = meminfo()
     total_ram, avail = mem.get("MemTotal", 0), available_memory()
@@ -170,15 +174,30 @@ def make_plan(
     if spec.lm_head == spec.embed:
         touched += embed - embed // max(1, spec.vocab_size)  # tied: the table is the lm_head
     qd = min(32, max(1, top_k))
-    disk, disk_source = None, "none"
-    if profile is not None and (g := profile.drive_gbps(store.experts_path, qd)) is not None:
-        disk, disk_source = g, f"profile {profile.path}"
-    elif measure and read_per_token > 0:
-        sweep = store_sweep(store, qds=(qd,), seconds=0.3)
-        disk = sweep.gbps[qd]
-        disk_source = (
-            f"measured now ({sweep.backend}, {'O_DIRECT' if sweep.direct else 'buffered'})"
-        )
+    files = [store.experts_path]
+    if mirrors:
+        from colibri.io.mirror import open_mirror
+
+        files += [open_mirror(store, d).experts_path for d in mirrors]
+    copies, per_device = [], {}
+    for f in files:
+        device = mount_of(f).device
+        g, src = None, "none"
+        if profile is not None and (g := profile.drive_gbps(f, qd)) is not None:
+            src = f"profile {profile.path}"
+        elif measure and read_per_token > 0:
+            sweep = store_sweep(store, f, qds=(qd,), seconds=0.3)
+            g = sweep.gbps[qd]
+            src = f"measured now ({sweep.backend}, {'O_DIRECT' if sweep.direct else 'buffered'})"
+        copies.append({"file": str(f), "device": device, "gbps": g, "source": src})
+        if device not in per_device or (g or 0) > (per_device[device] or 0):
+            per_device[device] = g  # copies on one drive share it
+    disk = None if None in per_device.values() else sum(per_device.values())
+    disk_source = (
+        copies[0]["source"]
+        if len(copies) == 1
+        else (f"{len(copies)} copies on {len(per_device)} drive(s), summed per drive")
+    )
     mem_bw, mem_source = None, "none"
     if profile is not None:
         mem_bw, mem_source = profile.memory_read_gbps, f"profile {profile.path}"
@@ -222,6 +241,7 @@ def make_plan(
             "disk_gbps": disk,
             "disk_queue_depth": qd,
             "disk_source": disk_source,
+            "disk_copies": copies,
             "memory_read_gbps": mem_bw,
             "memory_source": mem_source,
         },
@@ -296,6 +316,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", dest="kv_dtype", choices=("f32", "f16"), default="f32")
     p.add_argument("--policy", choices=("lru", "lfu", "lfru", "belady"), default="lru")
     p.add_argument("--trace", metavar="FILE", help="routing trace (.npz or Mixtral .jsonl)")
+    p.add_argument(
+        "--mirror",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a mirror of the store (repeatable): its drive adds to the disk figure",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--no-profile", action="store_true", help="ignore the machine profile")
     p.add_argument(
@@ -319,6 +346,7 @@ def run_cli(args: argparse.Namespace) -> int:
         trace=args.trace,
         profile=profile,
         measure=not args.no_measure,
+        mirrors=args.mirror,
     )
     if args.json:
         json.dump(plan, sys.stdout, indent=1)

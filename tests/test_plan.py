@@ -167,3 +167,36 @@ def test_refuses_a_malformed_profile(tmp_path, monkeypatch):
     assert res.returncode == 1
     assert "machine.json: machine profile field 'created'" in res.stderr
     assert colibri("plan", "--no-measure", "--no-profile").returncode == 0
+
+
+def test_mirrors_on_other_drives_add_their_bandwidth(tmp_path, monkeypatch):
+    import tempfile
+
+    from colibri.io.mirror import write_mirror
+
+    demo = open_store(DEMO_STORE)
+    same = write_mirror(demo, tmp_path / "same").path  # /tmp: the checkout's drive here?
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="colibri-plan-")
+    try:
+        write_mirror(demo, shm)
+        dev, dev_shm = mount_of(DEMO_STORE).device, mount_of(shm).device
+        dev_same = mount_of(same).device
+        drives = {
+            d: {"gbps": {"2": g}, "queue_depth": 2}
+            for d, g in ((dev, 1.5), (dev_shm, 4.0), (dev_same, 1.5))
+        }
+        prof = MachineProfile("now", "cpu", "avx2", 1, 20.0, "test", 8 << 30, drives)
+        p = plan_mod.make_plan(
+            demo, budget=1 << 20, profile=prof, measure=False, mirrors=[shm, str(same)]
+        )
+        b = p["bandwidth"]
+        per_drive = {dev: 1.5, dev_shm: 4.0, dev_same: 1.5}  # one figure per distinct drive
+        assert b["disk_gbps"] == pytest.approx(sum(per_drive.values()))
+        assert [c["device"] for c in b["disk_copies"]] == [dev, dev_shm, dev_same]
+        assert p["decode_tok_s"]["storage"] == pytest.approx(
+            b["disk_gbps"] * 1e9 / p["per_token"]["read_nbytes"]
+        )
+        with pytest.raises(ColibriError, match="not a mirror"):
+            plan_mod.make_plan(demo, profile=prof, measure=False, mirrors=[str(tmp_path)])
+    finally:
+        shutil.rmtree(shm)
