@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
 
 from colibri.engine import open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
+from colibri.machine import bounds, rate, storage_seconds  # noqa: E402, F401 (bounds live there)
 from colibri.run import parse_size, size_arg  # noqa: E402
 
 STORES = Path("/tmp/stores")
@@ -226,33 +227,7 @@ async def decode(
     return figs[-1]
 
 
-# ---- bounds (pure functions: tests/test_bench_decode.py) ----
-
-
-def storage_seconds(bytes_per_token: float, disk_gbps: float) -> float:
-    """Seconds per token to read `bytes_per_token` at `disk_gbps` (1e9 bytes/s)."""
-    if disk_gbps <= 0:
-        raise ValueError(f"disk bandwidth must be positive, got {disk_gbps} GB/s")
-    return bytes_per_token / (disk_gbps * 1e9)
-
-
-def rate(seconds: float) -> float:
-    """Tokens/s of a per-token time (inf for 0: a bound that does not bind)."""
-    return 1.0 / seconds if seconds > 0 else math.inf
-
-
-def bounds(bytes_per_token: float, disk_gbps: float, compute_s: float) -> dict[str, float]:
-    """The per-token bounds in tok/s: storage (1 / t_io), compute (1 / t_c), combined
-    (1 / max(t_io, t_c): reads overlap compute) and serial (1 / (t_io + t_c): no overlap)."""
-    t_io = storage_seconds(bytes_per_token, disk_gbps)
-    return {
-        "storage": rate(t_io),
-        "compute": rate(compute_s),
-        "combined": rate(max(t_io, compute_s)),
-        "serial": rate(t_io + compute_s),
-        "t_io": t_io,
-        "t_compute": compute_s,
-    }
+# ---- bounds: storage_seconds, rate, bounds are colibri.machine's (tests/test_bench_decode.py) ----
 
 
 def miss_queue_depth(misses: int, layers: int, tokens: int, cap: int) -> int:

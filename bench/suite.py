@@ -12,7 +12,8 @@ limits (disk with fio, memory bandwidth), kernels (matvec GB/s as a fraction of 
 bandwidth), decode (colibri decode/prefill, stores that fit the budget and 2-3x bigger, cold and
 warm, next to the storage and compute bounds), replay (the real Mixtral-8x7B routing trace per
 policy x budget x prefetch vs Belady; prefetcher recall on colibri's own runs), llama (llama.cpp
-on the same GGUF weights: in RAM, and both engines under one cgroup memory limit).
+on the same GGUF weights: in RAM, and both engines under one cgroup memory limit), mirror
+(expert reads spread over copies of the experts file on several drives).
 
 Big files (synthetic stores, GGUFs, the fio file) go to --work and are kept for the next run.
 """
@@ -36,6 +37,7 @@ SECTIONS: dict[str, str] = {
     "decode": "bench.sec_decode",
     "replay": "bench.sec_replay",
     "llama": "bench.sec_llama",
+    "mirror": "bench.sec_mirror",
 }
 
 
@@ -60,6 +62,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, help="compute threads for both engines (default: cores)")
     p.add_argument("--rounds", type=int, help="interleaved A/B rounds (default 3, quick 2)")
+    p.add_argument("--mirror", action="append", default=[], metavar="DIR",
+                   help="mirror section: a directory on another drive for a copy (repeatable; "
+                   "default: /dev/shm standing in for a second drive)")  # fmt: skip
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -89,6 +94,7 @@ def run_cli(args: argparse.Namespace) -> int:
     threads = args.threads or ops.default_threads()
     ctx = Context(out=out.resolve(), work=args.work.resolve(), quick=args.quick, threads=threads,
                   rounds=args.rounds or (2 if args.quick else 3))  # fmt: skip
+    ctx.mirrors = args.mirror
     sections: list[Section] = []
     machine = machine_info(ctx.work)
     t_start = time.perf_counter()

@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("colibri.io.replay", "replay a routing trace through the reader and cache"),
     "selfcheck": ("colibri.compute.selfcheck", "check every kernel against its reference"),
     "bench": ("colibri.bench_cli", "report: colibri vs llama.cpp vs this machine's limits"),
+    "plan": ("colibri.plan", "what a run will keep in RAM and how fast it can decode"),
+    "doctor": ("colibri.doctor", "why a run is slow: io_uring, O_DIRECT, huge pages, memory, disk"),
+    "tune": ("colibri.tune", "measure disk, memory and threads once; save the machine profile"),
+    "mirror": ("colibri.io.mirror", "copy a store's experts file to another drive, verified"),
 }
 
 

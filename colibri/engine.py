@@ -95,6 +95,10 @@ class EngineOptions:
     queue_depth: int = 32
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
+    # copies of the experts file (`colibri mirror`), read through io/mirror.py's MirrorReader;
+    # mirror_weights: one read share per copy, the store's first (default equal)
+    mirrors: tuple[str, ...] = ()
+    mirror_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -116,6 +120,11 @@ class EngineOptions:
             raise bad("activations", "must be f32 or q8_0")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
+        if self.mirror_weights is not None and (
+            len(self.mirror_weights) != 1 + len(self.mirrors)
+            or not all(w > 0 for w in self.mirror_weights)
+        ):
+            raise bad("mirror_weights", f"needs {1 + len(self.mirrors)} positive read shares")
 
 
 @dataclass(frozen=True)
@@ -192,11 +201,28 @@ class Engine:
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
         self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
-        self.reader = open_reader(
-            store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
-        )
+        if options.mirrors:
+            from colibri.io.mirror import open_mirrored_reader
+
+            self.reader = open_mirrored_reader(
+                store,
+                options.mirrors,
+                options.io,
+                pool=self.pool,
+                queue_depth=options.queue_depth,
+                weights=options.mirror_weights,
+                verify=options.verify,  # checked per copy there, so a bad copy fails over
+            )
+        else:
+            self.reader = open_reader(
+                store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
+            )
         self.cache = ExpertCache(
-            store, self.reader, budget, policy=options.policy, verify=options.verify
+            store,
+            self.reader,
+            budget,
+            policy=options.policy,
+            verify=options.verify and not options.mirrors,
         )
         self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
@@ -356,6 +382,26 @@ class Engine:
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
         return "".join([t.text async for t in self.stream(prompt, **kw)])
+
+    # ---- sessions: conversations kept across turns and restarts (colibri/session.py) ----
+    def new_session(self, messages: list[dict[str, Any]] | None = None) -> Any:
+        """A Session: one conversation whose KV cache stays between turns (session.py)."""
+        from colibri.session import Session
+
+        return Session(self, self.new_sequence(), list(messages or []))
+
+    def save_session(self, path: str | os.PathLike[str], session: Any) -> Path:
+        """Write the session (tokens, KV cache, messages) to `path` atomically."""
+        from colibri.session import save_session
+
+        return save_session(self, session, path)
+
+    def load_session(self, path: str | os.PathLike[str]) -> Any:
+        """The Session saved at `path`, continuing exactly where it stopped. Raises
+        SessionError for a session of another store or config, or a damaged file."""
+        from colibri.session import load_session
+
+        return load_session(self, path)
 
     def statistics(self) -> dict[str, Any]:
         """The engine's figures: cache, prefetcher, reader, slab pool, pipeline times."""

@@ -99,6 +99,30 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "Q4_0/Q8_0 weights, as llama.cpp does (faster, slightly less exact); f32: exact f32 "
         "activations",
     )
+    add_machine_options(g)
+
+
+def add_machine_options(g: Any) -> None:
+    """--queue-depth and --no-profile (the machine profile written by `colibri tune`)."""
+    g.add_argument(
+        "--queue-depth",
+        type=int,
+        default=None,
+        help="expert reads in flight at most (default: the profile's, else 32)",
+    )
+    g.add_argument(
+        "--mirror",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a copy of the experts file made by `colibri mirror` (repeatable): each record is "
+        "read from one copy, spread by drive speed; a bad copy fails over to another",
+    )
+    g.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="ignore the machine profile of `colibri tune` (threads, queue depth, budget)",
+    )
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -143,6 +167,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 def configure_chat_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument(
+        "--session",
+        metavar="FILE",
+        help="keep the conversation (tokens, KV cache, messages) in FILE, written after each "
+        "answer; an existing FILE is resumed where it stopped",
+    )
     add_sampling_options(p)
     add_engine_options(p)
 
@@ -172,7 +202,60 @@ SAMPLING_OPTIONS = (
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ENGINE_OPTIONS}
+    opts = {k: getattr(args, k) for k in ENGINE_OPTIONS}
+    if getattr(args, "queue_depth", None) is not None:
+        opts["queue_depth"] = args.queue_depth
+    if getattr(args, "mirror", None):
+        opts["mirrors"] = tuple(args.mirror)
+    return opts
+
+
+def engine_options(args: argparse.Namespace, path: Path) -> tuple[dict[str, Any], str]:
+    """The engine options of the command line, with the machine profile's defaults (threads,
+    queue depth, budget; colibri/machine.py) for those not given unless --no-profile.
+    Returns (options, profile path or "" when none was used)."""
+    opts = _engine_options(args)
+    if getattr(args, "no_profile", False):
+        return opts, ""
+    from colibri.machine import load_profile, profile_budget, profile_defaults
+
+    profile = load_profile()
+    if profile is None:
+        return opts, ""
+    from colibri.io.format import open_store
+    from colibri.plan import dense_resident_nbytes, kv_nbytes
+
+    store = open_store(path)
+    for k, v in profile_defaults(profile, store.experts_path).items():
+        if not opts.get(k):
+            opts[k] = v
+    if opts["budget"] is None:
+        experts = sum(r.nbytes for r in store.records)
+        resident = dense_resident_nbytes(store)[0] + kv_nbytes(
+            store, opts["n_ctx"], opts["kv_dtype"]
+        )
+        opts["budget"] = profile_budget(profile, experts, resident) or None
+    if opts.get("mirrors"):
+        from colibri.io.mirror import open_mirror
+
+        files = [store.experts_path] + [open_mirror(store, d).experts_path for d in opts["mirrors"]]
+        gbps = [profile.drive_gbps(f, opts.get("queue_depth") or 32) for f in files]
+        if all(gbps):
+            opts["mirror_weights"] = tuple(gbps)
+    return opts, profile.path
+
+
+def mirror_line(engine: Engine) -> str:
+    """Per-copy read statistics of a mirrored reader ("" for a single copy)."""
+    drives = getattr(engine.reader, "drive_statistics", None)
+    if drives is None:
+        return ""
+    parts = [
+        f"{d.path}: {d.reads} reads, {_mib(d.bytes_read)}, {d.gbps:.2f} GB/s, share "
+        f"{d.weight:.0%}, {d.errors} read errors, {d.checksum_failures} checksum failures"
+        for d in drives()
+    ]
+    return f"[mirror: {'; '.join(parts)}; {engine.reader.failovers} failovers]"
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,31 +283,40 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n < (1 << 30) else f"{n / (1 << 30):.2f} GiB"
 
 
-def statistics_line(stats: GenerationStatistics, finish: str, io: str = "") -> str:
+def statistics_line(
+    stats: GenerationStatistics, finish: str, io: str = "", profile: str = ""
+) -> str:
     rss, peak = resident_memory()
     tok_s = f"{stats.decode_tok_s:.1f}" if stats.decode_tok_s >= 1 else f"{stats.decode_tok_s:.3f}"
     return (
         f"[{stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens, "
         f"{finish}; TTFT {stats.ttft * 1000:.0f} ms; {tok_s} tok/s; "
         f"hit rate {stats.hit_rate:.1%}; read {_mib(stats.bytes_read_per_token)}/token; "
-        f"RSS {_mib(rss)} (peak {_mib(peak)}){'; io ' + io if io else ''}]"
+        f"RSS {_mib(rss)} (peak {_mib(peak)}){'; io ' + io if io else ''}"
+        f"{'; profile ' + profile if profile else ''}]"
     )
 
 
 async def _print_stream(
-    engine: Engine, prompt: Any, sampling: dict[str, Any], echo: str = ""
+    engine: Engine,
+    prompt: Any,
+    sampling: dict[str, Any],
+    echo: str = "",
+    profile: str = "",
+    session: Any = None,
 ) -> str:
     """Stream one answer to stdout (after `echo`, printed once generation has started);
     returns its text. Ctrl-C (cancellation) ends it early."""
     text = []
-    async for tok in engine.stream(prompt, **sampling):
+    source = session if session is not None else engine
+    async for tok in source.stream(prompt, **sampling):
         sys.stdout.write(echo + tok.text)
         echo = ""
         sys.stdout.flush()
         text.append(tok.text)
         if tok.statistics is not None:
             line = statistics_line(
-                tok.statistics, tok.finish_reason or "", engine.reader.statistics().backend
+                tok.statistics, tok.finish_reason or "", engine.reader.statistics().backend, profile
             )
             print("\n" + line, file=sys.stderr)
     return "".join(text)
@@ -242,10 +334,13 @@ async def _run(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt if args.prompt is not None else DEMO_PROMPT
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
-    async with open_engine(path, **_engine_options(args)) as engine:
+    opts, profile = engine_options(args, path)
+    async with open_engine(path, **opts) as engine:
         _say_backend(engine, args.io)
         echo = prompt if isinstance(prompt, str) else ""
-        await _print_stream(engine, prompt, _sampling(args), echo)
+        await _print_stream(engine, prompt, _sampling(args), echo, profile)
+        if line := mirror_line(engine):
+            print(line, file=sys.stderr)
     return 0
 
 
@@ -258,8 +353,21 @@ async def _chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     loop = asyncio.get_running_loop()
-    async with open_engine(_model_path(args), **_engine_options(args)) as engine:
+    opts, profile = engine_options(args, _model_path(args))
+    async with open_engine(_model_path(args), **opts) as engine:
         _say_backend(engine, args.io)
+        session = None
+        if args.session and Path(args.session).exists():
+            session = engine.load_session(args.session)
+            messages = session.messages
+            print(
+                f"colibri chat: resumed {args.session}: {len(messages)} messages, "
+                f"{len(session.tokens)} tokens in the KV cache",
+                file=sys.stderr,
+            )
+        elif args.session:
+            session = engine.new_session(messages)
+            messages = session.messages
         print(
             "colibri chat: empty line or Ctrl-D to quit, Ctrl-C stops an answer.", file=sys.stderr
         )
@@ -271,7 +379,9 @@ async def _chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
-            task = asyncio.ensure_future(_print_stream(engine, messages, _sampling(args)))
+            task = asyncio.ensure_future(
+                _print_stream(engine, messages, _sampling(args), profile=profile, session=session)
+            )
             loop.add_signal_handler(signal.SIGINT, task.cancel)  # Ctrl-C stops this answer
             try:
                 answer = await task
@@ -281,6 +391,8 @@ async def _chat(args: argparse.Namespace) -> int:
             finally:
                 loop.remove_signal_handler(signal.SIGINT)
             messages.append({"role": "assistant", "content": answer})
+            if session is not None:
+                engine.save_session(args.session, session)
     return 0
 
 

@@ -24,3 +24,13 @@ def isa(request):
     ops.set_isa(request.param)
     yield request.param
     ops.set_isa(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_machine_profile(tmp_path_factory):
+    """Tests never read the user's machine profile (`colibri tune` writes it under
+    XDG_CONFIG_HOME): an empty config directory for the session, inherited by subprocesses."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    yield
+    mp.undo()
