@@ -237,12 +237,15 @@ class Engine:
         return Sequence(KVCache.allocate(self.spec, n_ctx or self.n_ctx, dtype))
 
     async def forward(
-        self, seq: Sequence, tokens: list[int], all_logits: bool = False
+        self, seq: Sequence, tokens: list[int], all_logits: bool = False, logits_from: int = 0
     ) -> np.ndarray:
         """Feed tokens (prefill when several, decode when one) and return the next-token
-        logits, f32 [vocab_size], or with all_logits every token's, f32 [len(tokens),
-        vocab_size] (row t: the distribution of the token after tokens[t]; used to score
-        given tokens, colibri/eval). Raises ColibriError when the context would overflow."""
+        logits, f32 [vocab_size], or with all_logits those of every token from index
+        logits_from on, f32 [len(tokens) - logits_from, vocab_size] (row t: the distribution
+        of the token after tokens[logits_from + t]; used to score given tokens, colibri/eval).
+        Raises ColibriError when the context would overflow or logits_from is out of range."""
+        if not 0 <= logits_from <= len(tokens):
+            raise ColibriError(f"logits_from {logits_from} outside 0..{len(tokens)}")
         if seq.length + len(tokens) > seq.kv.n_ctx:
             raise ColibriError(
                 f"prompt too long: {seq.length + len(tokens)} tokens exceed the context "
@@ -255,7 +258,9 @@ class Engine:
                 f"token id {bad} is outside the model's vocabulary (vocab_size "
                 f"{self.spec.vocab_size})"
             )
-        logits = await self.pipeline.forward(ids, seq.kv, all_logits=all_logits)
+        logits = await self.pipeline.forward(
+            ids, seq.kv, all_logits=all_logits, logits_from=logits_from
+        )
         seq.tokens.extend(tokens)
         return logits
 

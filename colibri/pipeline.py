@@ -92,13 +92,14 @@ class Pipeline:
         return previous
 
     async def forward(
-        self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False
+        self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False, logits_from: int = 0
     ) -> np.ndarray:
         """Run tokens (int [n], the next n positions of kv) through the model.
 
         Returns the logits of the last token, f32 [vocab_size], or with all_logits those of
-        every token, f32 [n, vocab_size] (row t predicts the token after tokens[t]; for
-        scoring: perplexity, multiple-choice log-likelihoods). Raises ValueError when the
+        tokens[logits_from:], f32 [n - logits_from, vocab_size] (row t predicts the token
+        after tokens[logits_from + t]; for scoring: perplexity, multiple-choice
+        log-likelihoods; the output head runs on those rows only). Raises ValueError when the
         tokens do not fit in the KV cache's context. Cancelling stops between expert loads
         and releases every record it holds.
         """
@@ -130,7 +131,7 @@ class Pipeline:
         kv.length = pos0 + n
         self._traced += n
         if all_logits:
-            return await self._run(m.logits, x)
+            return await self._run(m.logits, x[logits_from:])
         return (await self._run(m.logits, x[-1:]))[0]
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:

@@ -119,6 +119,9 @@ async def test_perplexity_matches_transformers(tiny):
     ppl = float(np.exp(nll.mean()))
     async with open_engine(store, n_ctx=n_ctx, activations="f32") as engine:
         res = await eval_perplexity(engine, text, n_ctx, limit=3, show_progress=False)
+        engine.prefill_chunk = 10  # windows fed in several chunks, one wholly unscored
+        chunked = await eval_perplexity(engine, text, n_ctx, limit=3, show_progress=False)
+    assert chunked["metrics"]["ppl"] == pytest.approx(ppl, rel=RTOL)
     m = res["metrics"]
     assert m["tokens_scored"] == 3 * (n_ctx - 1 - n_ctx // 2) == len(nll)
     assert abs(m["ppl"] - ppl) <= RTOL * ppl, (family, m["ppl"], ppl)

@@ -91,19 +91,26 @@ class Counters:
 
 
 async def _feed(
-    engine: Any, seq: Any, tokens: Sequence[int], all_logits: bool, counters: Counters | None
+    engine: Any,
+    seq: Any,
+    tokens: Sequence[int],
+    all_logits: bool,
+    counters: Counters | None,
+    logits_from: int = 0,
 ) -> np.ndarray:
-    """engine.forward in prefill chunks; all_logits: f32 [len(tokens), vocab] (else the last
-    row [vocab])."""
+    """engine.forward in prefill chunks (engine.prefill_chunk tokens, as `colibri run`
+    prefills); all_logits: the rows of tokens[logits_from:], f32 [len(tokens) - logits_from,
+    vocab] (else the last row [vocab])."""
     chunk = getattr(engine, "prefill_chunk", 256)
     rows, last = [], None
     t0 = time.perf_counter()
     for start in range(0, len(tokens), chunk):
-        out = await engine.forward(seq, list(tokens[start : start + chunk]), all_logits=all_logits)
-        if all_logits:
-            rows.append(out)
+        part = list(tokens[start : start + chunk])
+        skip = max(0, logits_from - start)
+        if all_logits and skip < len(part):
+            rows.append(await engine.forward(seq, part, all_logits=True, logits_from=skip))
         else:
-            last = out
+            last = await engine.forward(seq, part)
     if counters is not None:
         counters.tokens += len(tokens)
         counters.seconds += time.perf_counter() - t0
@@ -228,9 +235,8 @@ async def _window(engine: Any, w: list[int], first: int, counters: Counters | No
     (int32 [n_ctx - 1, layers, top_k]) of the tokens fed."""
     seq = engine.new_sequence(n_ctx=len(w))
     try:
-        with engine.capture_routing() as tracer:
-            await _feed(engine, seq, w[:first], False, counters)
-            rows = await _feed(engine, seq, w[first:-1], True, counters)
+        with engine.capture_routing() as tracer:  # one pass, logits of the scored half only
+            rows = await _feed(engine, seq, w[:-1], True, counters, logits_from=first)
         return rows, tracer.trace().experts
     finally:
         seq.kv = None
