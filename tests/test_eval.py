@@ -38,7 +38,9 @@ EVAL = SHARED / "eval"
 TEXT = SHARED / "text" / "olmoe_routing_c4_texts.txt.xz"
 OLMOE_TOKENIZER = SHARED / "tokenizers" / "olmoe" / "allenai_gpt-neox-olmo-dolma-v1_5.json"
 RTOL = 1e-4
-FAMILIES = ["mixtral", "qwen3_moe"]
+# (family, tokenizer): the OLMoE tokenizer adds no BOS, the demo model's adds <s>
+CASES = [("mixtral", "olmoe"), ("qwen3_moe", "olmoe"), ("mixtral", "demo")]
+DEMO = Path(__file__).resolve().parents[1] / "colibri" / "data" / "demo"
 
 
 def _need(path: Path) -> Path:
@@ -64,13 +66,18 @@ def _text(nchars: int = 6000) -> str:
         return f.read(nchars)
 
 
-def _save_with_tokenizer(model_type: str, path: Path, seed: int):
+def _save_with_tokenizer(model_type: str, tokenizer: str, path: Path, seed: int):
     """A tiny random model (tests/hf_models.py's config, norms perturbed) whose vocabulary is
-    the real OLMoE tokenizer's (50304 ids), saved with that tokenizer.json."""
-    tok = _need(OLMOE_TOKENIZER)
+    a real tokenizer's (OLMoE: 50304 ids; the demo model's: 2048), saved with its files."""
+    if tokenizer == "olmoe":
+        tok, vocab = _need(OLMOE_TOKENIZER), 50304
+        tok_config = json.dumps({"eos_token": "<|endoftext|>"})
+    else:
+        tok, vocab = DEMO / "tokenizer.json", 2048
+        tok_config = (DEMO / "tokenizer_config.json").read_text()
     cls_name, extra = {**hf_models.CONFIGS, **hf_models.EXTRA_CONFIGS}[model_type]
     config = getattr(hf_models.transformers, cls_name)(
-        **{**hf_models.COMMON, **extra, "vocab_size": 50304}
+        **{**hf_models.COMMON, **extra, "vocab_size": vocab}
     )
     torch.manual_seed(seed)
     model = hf_models.transformers.AutoModelForCausalLM.from_config(config).float().eval()
@@ -81,17 +88,18 @@ def _save_with_tokenizer(model_type: str, path: Path, seed: int):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_bytes(tok.read_bytes())
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (path / "tokenizer_config.json").write_text(tok_config)
     return model
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
 def tiny(request, tmp_path_factory):
-    """(family, transformers model, its HF folder, its f32 store), real OLMoE tokenizer."""
-    root = tmp_path_factory.mktemp(request.param)
-    model = _save_with_tokenizer(request.param, root / "hf", seed=7)
+    """(family, transformers model, its HF folder, its f32 store), a real tokenizer."""
+    family, tokenizer = request.param
+    root = tmp_path_factory.mktemp(family)
+    model = _save_with_tokenizer(family, tokenizer, root / "hf", seed=7)
     store = convert(root / "hf", root / "f32", quant="f32", dense_quant="f32", show_progress=False)
-    return request.param, model, root / "hf", store
+    return f"{family}-{tokenizer}", model, root / "hf", store
 
 
 # ---- perplexity ---------------------------------------------------------------------------
@@ -113,16 +121,23 @@ async def test_perplexity_matches_transformers(tiny):
 
     text, n_ctx = _text(), 48
     hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"))
-    ids = hf_tok(text, add_special_tokens=False)["input_ids"]  # the OLMoE tokenizer adds no BOS
+    plain = hf_tok(text, add_special_tokens=False)["input_ids"]
+    with_bos = hf_tok(text)["input_ids"]
+    bos = with_bos[0] if len(with_bos) > len(plain) else None  # the tokenizer adds BOS
+    assert (bos is not None) == family.endswith("demo")
+    # llama-perplexity: BOS in front, then every window's first token replaced by BOS
+    ids = ([bos] if bos is not None else []) + plain
     windows = [ids[i * n_ctx : (i + 1) * n_ctx] for i in range(3)]
+    if bos is not None:
+        windows = [[bos, *w[1:]] for w in windows]
     nll = _hf_nll(model, windows, n_ctx // 2)
     ppl = float(np.exp(nll.mean()))
     async with open_engine(store, n_ctx=n_ctx, activations="f32") as engine:
         res = await eval_perplexity(engine, text, n_ctx, limit=3, show_progress=False)
         engine.prefill_chunk = 10  # windows fed in several chunks, one wholly unscored
         chunked = await eval_perplexity(engine, text, n_ctx, limit=3, show_progress=False)
-    assert chunked["metrics"]["ppl"] == pytest.approx(ppl, rel=RTOL)
     m = res["metrics"]
+    assert chunked["metrics"]["ppl"] == pytest.approx(ppl, rel=RTOL)
     assert m["tokens_scored"] == 3 * (n_ctx - 1 - n_ctx // 2) == len(nll)
     assert abs(m["ppl"] - ppl) <= RTOL * ppl, (family, m["ppl"], ppl)
     # llama-perplexity's error: PPL * sqrt(var(nll) / (count - 1)), var with 1/count
@@ -286,8 +301,9 @@ def hflm(tiny):
     from transformers import PreTrainedTokenizerFast
 
     _family, model, hf, _store = tiny
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"),
-                                  eos_token="<|endoftext|>")  # fmt: skip
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    special = {k: cfg[k] for k in ("bos_token", "eos_token") if cfg.get(k)}
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"), **special)
     return HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
 
 
@@ -302,7 +318,7 @@ async def test_choice_logprobs_equal_lm_eval(task, tiny, hflm, tmp_path):
         dev = _records("mmlu_dev.jsonl.xz", 5, lambda r: r["subject"] == "virology")
         theirs = _lm_eval_requests("mmlu_virology", docs, tmp_path, 1, dev)
     else:
-        docs, dev = _docs(task, 3, max_chars=700), None  # the tiny model's context: 256
+        docs, dev = _docs(task, 3, max_chars=550), None  # the tiny models: 256 positions
         theirs = _lm_eval_requests(task, docs, tmp_path)
     async with open_engine(store, activations="f32") as engine:
         res = await eval_choice(engine, task, docs, "test", shots=1 if dev else 0,
@@ -327,8 +343,8 @@ async def test_shared_prefix_equals_separate_runs(tiny):
     request in a fresh sequence."""
     _family, _model, _hf, store = tiny
     rng = np.random.default_rng(0)
-    ctx = rng.integers(0, 50000, 20).tolist()
-    conts = [rng.integers(0, 50000, n).tolist() for n in (1, 5, 3)]
+    ctx = rng.integers(0, 2048, 20).tolist()
+    conts = [rng.integers(0, 2048, n).tolist() for n in (1, 5, 3)]
     async with open_engine(store, activations="f32") as engine:
         shared = await scoring.continuation_logprobs(engine, ctx, conts)
         alone = [(await scoring.score_requests(engine, [(ctx, c)]))[0] for c in conts]
@@ -416,3 +432,21 @@ def test_bad_inputs(tmp_path, capsys, tiny):
     assert "x.jsonl:2: not JSON" in _error(capsys, "--task", "boolq", "--data", str(notjson))
     with pytest.raises(EvalError, match="--shots"):
         build_requests("hellaswag", _docs("hellaswag", 1), "x", shots=2)
+
+
+@needs_lm_eval
+def test_encode_pair_equals_lm_eval(tiny, hflm):
+    """Trailing spaces of the context move to the continuation, the whole is tokenized once
+    (lm_eval TemplateLM._encode_pair through HFLM.tok_encode)."""
+    _family, _model, hf, _store = tiny
+    from colibri.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(hf)
+    pairs = [("Question: why?\nAnswer: ", "because"), ("The cat  ", " sat"),
+             ("Roof shingle removal: A man", " is on a roof."), ("x", "y z")]  # fmt: skip
+    for ctx, cont in pairs:
+        assert scoring.encode_pair(tok, ctx, cont) == tuple(hflm._encode_pair(ctx, cont))
+    # an empty context: lm-eval's loglikelihood puts prefix_token_id (BOS, else EOS) first
+    ctx_enc, cont_enc = scoring.encode_pair(tok, "", "hello there")
+    assert ctx_enc == [hflm.prefix_token_id]
+    assert cont_enc == tok.encode("hello there", add_special_tokens=False)

@@ -33,15 +33,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
-def adds_bos(tokenizer: Any) -> bool:
-    """True when the tokenizer's post-processor puts BOS in front of encoded text."""
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return False
-    with_special = tokenizer.encode("a", add_special_tokens=True)
-    return len(with_special) > len(tokenizer.encode("a", add_special_tokens=False)) and (
-        with_special[0] == bos
-    )
+def added_bos(tokenizer: Any) -> int | None:
+    """The id the tokenizer's post-processor puts in front of encoded text (its BOS), or None
+    when it adds nothing in front. Taken from the encoding itself, not from configuration
+    (a generation_config.json may name another bos_token_id)."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    special = tokenizer.encode("a", add_special_tokens=True)
+    if len(special) > len(plain) and special[1 : 1 + len(plain)] == plain:
+        return special[0]
+    return None
 
 
 def tok_encode(tokenizer: Any, text: str) -> list[int]:
@@ -60,11 +60,11 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     ids); raises EvalError when the continuation has no token."""
     if context == "":
         cont = tokenizer.encode(continuation, add_special_tokens=False)
-        prefix = tokenizer.bos_token_id
-        if prefix is None:
-            prefix = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
-        if prefix is None:
+        # HFLM.prefix_token_id: the tokenizer's BOS token, else its EOS token
+        name = tokenizer.bos_token or tokenizer.eos_token
+        if name is None:
             raise EvalError("empty context and the tokenizer has neither BOS nor EOS")
+        prefix = tokenizer.token_to_id(name)
         if cont and cont[0] == prefix:
             ctx_enc, cont_enc = cont[:1], cont[1:]
         else:
@@ -225,7 +225,7 @@ def windows(tokens: Sequence[int], n_ctx: int, bos: int | None, limit: int | Non
 def text_tokens(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
     """llama-perplexity's tokenization: the text with BOS in front where the tokenizer adds
     BOS. Returns (ids, the BOS id or None)."""
-    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+    bos = added_bos(tokenizer)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ([bos] if bos is not None else []) + ids, bos
 
