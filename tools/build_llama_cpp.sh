@@ -38,8 +38,14 @@ main() {
     exit 1
   fi
   if [[ -f "$done_marker" ]]; then
-    echo "llama.cpp $VERSION already built: $PREFIX/bin"
-    exit 0
+    missing=()
+    for t in "${TARGETS[@]}"; do [[ -x "$PREFIX/bin/$t" ]] || missing+=("$t"); done
+    if (( ${#missing[@]} == 0 )); then
+      echo "llama.cpp $VERSION already built: $PREFIX/bin"
+      exit 0
+    fi
+    # a build from before a target was added (e.g. llama-perplexity): build them all again
+    echo "llama.cpp $VERSION is built but lacks ${missing[*]}: rebuilding"
   fi
 
   for tool in cmake make cc c++; do
