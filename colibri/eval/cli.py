@@ -94,7 +94,7 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _statistics(engine: Engine, c0: Any, counters: scoring.Counters) -> dict[str, Any]:
-    c1 = engine.cache.statistics()
+    c1 = engine.statistics()["cache"]
     hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
     return {
         "tokens": counters.tokens,
@@ -133,7 +133,7 @@ async def eval_perplexity(
     statistics. Raises EvalError (no tokenizer, text shorter than one window)."""
     tokens, bos = scoring.text_tokens(_tokenizer(engine), text)
     n_windows = len(tokens) // n_ctx if limit is None else min(limit, len(tokens) // n_ctx)
-    c0 = engine.cache.statistics()
+    c0 = engine.statistics()["cache"]
     bar = _progress(n_windows, "window") if show_progress and n_windows else None
     try:
         res = await scoring.perplexity(
@@ -183,7 +183,7 @@ async def eval_choice(
     )  # fmt: skip
     tok = _tokenizer(engine)
     counters = scoring.Counters()
-    c0 = engine.cache.statistics()
+    c0 = engine.statistics()["cache"]
     items = []
     bar = _progress(len(requests), "item") if show_progress else None
     try:
