@@ -75,10 +75,13 @@ def _save_with_tokenizer(model_type: str, tokenizer: str, path: Path, seed: int)
     else:
         tok, vocab = DEMO / "tokenizer.json", 2048
         tok_config = (DEMO / "tokenizer_config.json").read_text()
-    cls_name, extra = {**hf_models.CONFIGS, **hf_models.EXTRA_CONFIGS}[model_type]
-    config = getattr(hf_models.transformers, cls_name)(
-        **{**hf_models.COMMON, **extra, "vocab_size": vocab}
-    )
+    if hasattr(hf_models, "config"):  # test cases declared by the families (models/*.py)
+        config = hf_models.config(model_type, vocab_size=vocab)
+    else:
+        cls_name, extra = {**hf_models.CONFIGS, **hf_models.EXTRA_CONFIGS}[model_type]
+        config = getattr(hf_models.transformers, cls_name)(
+            **{**hf_models.COMMON, **extra, "vocab_size": vocab}
+        )
     torch.manual_seed(seed)
     model = hf_models.transformers.AutoModelForCausalLM.from_config(config).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
