@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-gguf": ("colibri.export_gguf", "write a store as a GGUF file for llama.cpp"),
     "replay": ("colibri.io.replay", "replay a routing trace through the reader and cache"),
     "selfcheck": ("colibri.compute.selfcheck", "check every kernel against its reference"),
+    "eval": ("colibri.eval.cli", "measure quality: perplexity, KL vs a reference, benchmarks"),
     "bench": ("colibri.bench_cli", "report: colibri vs llama.cpp vs this machine's limits"),
     "plan": ("colibri.plan", "what a run will keep in RAM and how fast it can decode"),
     "doctor": ("colibri.doctor", "why a run is slow: io_uring, O_DIRECT, huge pages, memory, disk"),

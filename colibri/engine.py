@@ -18,10 +18,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from collections.abc import Sequence as Seq
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from colibri.pipeline import Pipeline
 from colibri.registry import model_spec
 from colibri.sampling import Sampler, SamplingParams
 from colibri.tokenizer import StopChecker, Tokenizer
+
+if TYPE_CHECKING:
+    from colibri.io.trace import RoutingTraceWriter
 
 DEFAULT_N_CTX = 4096
 
@@ -179,6 +182,16 @@ class Sequence:
     def length(self) -> int:
         return self.kv.length
 
+    def truncate(self, length: int) -> None:
+        """Rewind to the first `length` tokens: the KV cache keeps their keys/values (later
+        positions are overwritten by the next forward), so several continuations can each
+        follow one shared prefix computed once. Raises ColibriError unless
+        0 <= length <= self.length."""
+        if not 0 <= length <= self.kv.length:
+            raise ColibriError(f"cannot truncate a {self.kv.length}-token sequence to {length}")
+        self.kv.length = length
+        del self.tokens[length:]
+
 
 class Engine:
     """A store opened for inference. Create with open_engine(); close with aclose()."""
@@ -249,9 +262,16 @@ class Engine:
         dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
         return Sequence(KVCache.allocate(self.spec, n_ctx or self.n_ctx, dtype))
 
-    async def forward(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+    async def forward(
+        self, seq: Sequence, tokens: list[int], all_logits: bool = False, logits_from: int = 0
+    ) -> np.ndarray:
         """Feed tokens (prefill when several, decode when one) and return the next-token
-        logits, f32 [vocab_size]. Raises ColibriError when the context would overflow."""
+        logits, f32 [vocab_size], or with all_logits those of every token from index
+        logits_from on, f32 [len(tokens) - logits_from, vocab_size] (row t: the distribution
+        of the token after tokens[logits_from + t]; used to score given tokens, colibri/eval).
+        Raises ColibriError when the context would overflow or logits_from is out of range."""
+        if not 0 <= logits_from <= len(tokens):
+            raise ColibriError(f"logits_from {logits_from} outside 0..{len(tokens)}")
         if seq.length + len(tokens) > seq.kv.n_ctx:
             raise ColibriError(
                 f"prompt too long: {seq.length + len(tokens)} tokens exceed the context "
@@ -264,9 +284,28 @@ class Engine:
                 f"token id {bad} is outside the model's vocabulary (vocab_size "
                 f"{self.spec.vocab_size})"
             )
-        logits = await self.pipeline.forward(ids, seq.kv)
+        logits = await self.pipeline.forward(
+            ids, seq.kv, all_logits=all_logits, logits_from=logits_from
+        )
         seq.tokens.extend(tokens)
         return logits
+
+    @contextmanager
+    def capture_routing(self) -> Iterator[RoutingTraceWriter]:
+        """Record the router's choice for every token fed while inside, on every sequence:
+        yields a RoutingTraceWriter (colibri/io/trace.py) whose token 0 is the first token fed
+        after entering; its trace().experts is int32 [tokens, layers, top_k] (-1 on dense
+        layers). The engine's own --trace tracer (if any) is paused meanwhile and resumed on
+        exit."""
+        from colibri.io.trace import RoutingTraceWriter
+
+        router = self.spec.moe.router
+        writer = RoutingTraceWriter(len(self.spec.layers), router.top_k, router.num_experts)
+        previous = self.pipeline.set_tracer(writer, 0)
+        try:
+            yield writer
+        finally:
+            self.pipeline.set_tracer(*previous)
 
     def encode_prompt(
         self, prompt: str | Seq[Mapping[str, Any]], **template_kwargs: Any

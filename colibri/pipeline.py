@@ -83,10 +83,23 @@ class Pipeline:
         self.times.compute += time.perf_counter() - t0
         return out
 
-    async def forward(self, tokens: np.ndarray, kv: KVCache) -> np.ndarray:
+    def set_tracer(self, tracer: Any, traced: int = 0) -> tuple[Any, int]:
+        """Install `tracer` (a RoutingTraceWriter or None) with its token counter at `traced`
+        (the index the next token fed is recorded under). Returns the previous (tracer,
+        counter), so a caller can capture a span of tokens and then restore them."""
+        previous = self.tracer, self._traced
+        self.tracer, self._traced = tracer, traced
+        return previous
+
+    async def forward(
+        self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False, logits_from: int = 0
+    ) -> np.ndarray:
         """Run tokens (int [n], the next n positions of kv) through the model.
 
-        Returns the logits of the last token, f32 [vocab_size]. Raises ValueError when the
+        Returns the logits of the last token, f32 [vocab_size], or with all_logits those of
+        tokens[logits_from:], f32 [n - logits_from, vocab_size] (row t predicts the token
+        after tokens[logits_from + t]; for scoring: perplexity, multiple-choice
+        log-likelihoods; the output head runs on those rows only). Raises ValueError when the
         tokens do not fit in the KV cache's context. Cancelling stops between expert loads
         and releases every record it holds.
         """
@@ -117,6 +130,8 @@ class Pipeline:
             self.times.layers += 1
         kv.length = pos0 + n
         self._traced += n
+        if all_logits:
+            return await self._run(m.logits, x[logits_from:])
         return (await self._run(m.logits, x[-1:]))[0]
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
