@@ -177,6 +177,8 @@ class Engine:
     def __init__(self, store: Store, options: EngineOptions):
         self.store, self.options = store, options
         self.spec = model_spec(store.config)
+        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
+        self._check_kv_fits(self.n_ctx)
         self.model = Model(
             store, self.spec, nthreads=options.threads, activations=options.activations
         )
@@ -210,18 +212,42 @@ class Engine:
                 router.num_experts,
                 meta={"model_type": self.spec.model_type, "source": str(store.path)},
             )
-        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
         self.tokenizer: Tokenizer | None = None
         if (store.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_dir(store.path)
         self.prefill_chunk = 256
         self.generation_defaults = generation_defaults(store.path)
         self._closing = False
+        self._closed = False
+        self._forwards = 0  # streams' forward passes in flight (aclose waits for them)
+        self._drained: asyncio.Event | None = None
+
+    def _check_kv_fits(self, n_ctx: int) -> None:
+        """ColibriError when one sequence's KV cache of n_ctx tokens exceeds the memory
+        available (MemAvailable), before anything is allocated."""
+        dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
+        need, avail = KVCache.nbytes_for(self.spec, n_ctx, dtype), available_memory()
+        if avail and need > avail:
+            raise ColibriError(
+                f"context length {n_ctx} (--ctx / n_ctx): one sequence's {self.options.kv_dtype}"
+                f" KV cache needs {need / 2**30:.2f} GiB, only {avail / 2**30:.2f} GiB of "
+                "memory is available; lower --ctx" + (" or use --kv f16" * (dtype == np.float32))
+            )
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
-        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
+        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's).
+        Raises ColibriError when that KV cache does not fit in memory."""
         dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
-        return Sequence(KVCache.allocate(self.spec, n_ctx or self.n_ctx, dtype))
+        n = n_ctx or self.n_ctx
+        if n != self.n_ctx:
+            self._check_kv_fits(n)
+        try:
+            return Sequence(KVCache.allocate(self.spec, n, dtype))
+        except MemoryError:
+            need = KVCache.nbytes_for(self.spec, n, dtype)
+            raise ColibriError(
+                f"context length {n}: cannot allocate its KV cache of {need / 2**30:.2f} GiB"
+            ) from None
 
     async def forward(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
         """Feed tokens (prefill when several, decode when one) and return the next-token
@@ -253,6 +279,19 @@ class Engine:
             return tok.encode(prompt)
         text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs)
         return tok.encode(text, add_special_tokens=False)
+
+    async def _stream_forward(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+        """forward() for stream(): refused with _Closed once aclose() has begun; a pass
+        already running finishes before aclose() releases the cache, reader and thread."""
+        if self._closing:
+            raise _Closed
+        self._forwards += 1
+        try:
+            return await self.forward(seq, tokens)
+        finally:
+            self._forwards -= 1
+            if not self._forwards and self._drained is not None:
+                self._drained.set()
 
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -306,7 +345,7 @@ class Engine:
         finish = "length"
         try:
             for start in range(0, len(ids), self.prefill_chunk):
-                logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
+                logits = await self._stream_forward(seq, ids[start : start + self.prefill_chunk])
             while len(out) < max_tokens:
                 if self._closing:
                     finish = "cancelled"
@@ -329,11 +368,13 @@ class Engine:
                     break
                 if seq.length + 1 > seq.kv.n_ctx:
                     break
-                logits = await self.forward(seq, [s.token_id])
+                logits = await self._stream_forward(seq, [s.token_id])
+        except _Closed:
+            finish = "cancelled"
         finally:
             seq.kv = None  # type: ignore[assignment]  # free the KV cache now
         tail = ""
-        if finish != "stop" and decoder is not None:
+        if not stops.stopped and decoder is not None:  # held-back text ends EOS/length too
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()
@@ -370,14 +411,26 @@ class Engine:
 
     async def aclose(self) -> None:
         """Release the cache, the reader and the compute thread. Streams still running end
-        with finish_reason "cancelled" at their next token."""
-        self._closing = True
-        if self.pipeline.tracer is not None:
-            self.pipeline.tracer.save(self.options.trace)
-        self.pipeline.close()
-        await self.cache.aclose()
-        await self.reader.aclose()
-        self.pool.close()
+        with finish_reason "cancelled" at their next token: a forward pass in flight (in any
+        task) is first let finish, so no stream meets a closed cache. Idempotent."""
+        if self._closed:
+            return
+        self._closed = self._closing = True
+        while self._forwards:
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+        try:
+            if self.pipeline.tracer is not None:
+                self.pipeline.tracer.save(self.options.trace)  # TraceError names the file
+        finally:
+            self.pipeline.close()
+            await self.cache.aclose()
+            await self.reader.aclose()
+            self.pool.close()
+
+
+class _Closed(Exception):
+    """Internal: the engine began closing; the stream ends with finish_reason "cancelled"."""
 
 
 def _times(pipeline: Pipeline) -> tuple[float, float]:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
+from colibri.errors import TokenizerError
+from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
@@ -239,7 +241,7 @@ def _say_backend(engine: Engine, requested: str) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     path = _model_path(args)
-    prompt: Any = args.prompt if args.prompt is not None else DEMO_PROMPT
+    prompt: Any = check_utf8(args.prompt, "--prompt") if args.prompt is not None else DEMO_PROMPT
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     async with open_engine(path, **_engine_options(args)) as engine:
@@ -270,6 +272,11 @@ async def _chat(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 break
+            try:
+                check_utf8(line, "input line")
+            except TokenizerError as exc:
+                print(f"colibri: error: {exc}; line ignored", file=sys.stderr)
+                continue
             messages.append({"role": "user", "content": line})
             task = asyncio.ensure_future(_print_stream(engine, messages, _sampling(args)))
             loop.add_signal_handler(signal.SIGINT, task.cancel)  # Ctrl-C stops this answer

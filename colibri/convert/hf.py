@@ -30,6 +30,7 @@ import numpy as np
 
 from colibri.convert import SUPPORTED_ARCHS, TOKENIZER_FILES, dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
+from colibri.io.config import ConfigError, check_config
 from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
 
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -363,13 +364,25 @@ def convert_hf(
         cfg = json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise ConversionError(f"{cfg_path}: not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"{cfg_path}: is a JSON {type(cfg).__name__}, not an object")
     model_type = cfg.get("model_type")
     if model_type not in ARCHS:
         raise ConversionError(
             f"{cfg_path}: unsupported architecture {model_type!r}; supported: "
             + ", ".join(SUPPORTED_ARCHS)
         )
+    try:
+        check_config(cfg, cfg_path)
+    except ConfigError as exc:
+        raise ConversionError(str(exc)) from None
     ck = Checkpoint(src)
+    top = max((_layer_of(n) for n in ck.meta), default=-1)
+    if cfg["num_hidden_layers"] > top + 1:  # before anything is sized from it
+        raise ConversionError(
+            f"{cfg_path}: field 'num_hidden_layers' is {cfg['num_hidden_layers']}, but the "
+            f"checkpoint's tensors cover {top + 1} layers"
+        )
     experts, used, E, H, I = plan_experts(ck, model_type, cfg)  # noqa: E741
     dense = plan_dense(ck, model_type, cfg, used, dense_quant)
     layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")

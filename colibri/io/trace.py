@@ -66,7 +66,9 @@ class RoutingTrace:
                     yield t, layer, [int(e) for e in row if e >= 0]
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the .npz described in the module docstring (temp file + rename)."""
+        """Write the .npz described in the module docstring (temp file + rename). Raises
+        TraceError naming `path` when it cannot be written (no space, no permission); the
+        temporary file is removed."""
         path = os.fspath(path)
         meta = {
             "format": TRACE_FORMAT,
@@ -82,8 +84,15 @@ class RoutingTrace:
         if self.scores is not None:
             arrays["scores"] = self.scores.astype(np.float32)
         tmp = f"{path}.tmp{os.getpid()}.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        try:
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise TraceError(f"{path}: cannot write the trace: {exc.strerror or exc}") from None
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
