@@ -584,9 +584,9 @@ class IncrementalDecoder:
     SentencePiece's leading "▁" of the new token (the decoder strips it only at a window's start).
     The deltas concatenated equal `decode(context + generated)[len(decode(context)):]` whenever
     the context ends on a character boundary, and `decode(generated)` with no context. A context
-    that ends inside a character (its last 1-3 tokens are the first bytes of one) counts those
-    bytes as not yet shown: the character is streamed whole when completed (or, if never
-    completed, as U+FFFD by `flush`).
+    that ends inside a character (its text ends in U+FFFD for 1-3 unfinished bytes) counts
+    those bytes as not yet shown: the deltas equal `decode(context + generated)` past
+    `decode(context)` without that U+FFFD, so the character streams whole once completed.
 
     A truly invalid byte sequence after shown text comes out as U+FFFD per bad byte (Python's
     errors="replace"), where `decode` of the whole sequence would also rewrite the bytes before it.
@@ -615,16 +615,13 @@ class IncrementalDecoder:
         self._ids = context[start:]
         self._prefix = 0  # window start
         self._read = len(self._ids)  # end of the text already emitted
-        # A context that ends inside a character (a generation cut at max_tokens mid-emoji,
-        # continued): its last bytes are not shown yet, so the character they begin comes out
-        # whole once generated tokens complete it, not as U+FFFD. At most 3 bytes are pending.
-        for _ in range(3):
-            if self._read == 0 or not self._decode(0, self._read).endswith("\ufffd"):
-                break
-            self._read -= 1
-        if self._read < len(self._ids) and self._decode(0, self._read).endswith("\ufffd"):
-            self._read = len(self._ids)  # not an unfinished character: invalid bytes, shown
         self._prefix_text = self._decode(self._prefix, self._read)
+        # A context that ends inside a character (a generation cut at max_tokens mid-emoji,
+        # continued): its unfinished bytes (U+FFFD in its text, at most 3 bytes) count as not
+        # shown yet, so the character comes out whole once generated tokens complete it.
+        for _ in range(3):
+            if self._prefix_text.endswith("\ufffd"):
+                self._prefix_text = self._prefix_text[:-1]
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)

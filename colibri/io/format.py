@@ -47,7 +47,7 @@ _HEX64 = re.compile(r"[0-9a-fA-F]{16}")
 def row_nbytes(qtype: str, ncols: int) -> int:
     """Bytes of one row of `ncols` weights in `qtype`. Raises StoreError for an unknown qtype
     or a block format whose `ncols` is not a multiple of the block size (32)."""
-    if qtype not in QTYPES:
+    if not isinstance(qtype, str) or qtype not in QTYPES:
         raise StoreError(f"unknown qtype {qtype!r} (valid: {', '.join(QTYPES)})")
     block, nbytes = QTYPES[qtype]
     if ncols % block:
@@ -191,7 +191,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         if not isinstance(info, dict):
             raise StoreError(f"{w}: header entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _ST_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
             raise StoreError(f"{w}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
             raise StoreError(f"{w}: shape {shape!r} is not a list of non-negative integers")
@@ -229,6 +229,13 @@ def _need(d: dict[str, Any], key: str, where: str) -> Any:
     if key not in d:
         raise StoreError(f"{where}: missing field {key!r}")
     return d[key]
+
+
+def _int_field(d: dict[str, Any], key: str, where: str) -> int:
+    value = _need(d, key, where)
+    if not _is_int(value):
+        raise StoreError(f"{where}.{key} {value!r} is not an integer")
+    return value
 
 
 def _file_name(manifest: dict[str, Any], key: str, default: str | None, mpath: Path) -> str:
@@ -359,7 +366,7 @@ class Store:
             if not isinstance(m, dict):
                 raise StoreError(f"{w}: not an object")
             qtype, shape = m.get("qtype"), m.get("shape")
-            if qtype not in QTYPES:
+            if not isinstance(qtype, str) or qtype not in QTYPES:
                 raise StoreError(f"{w}.qtype {qtype!r} unknown")
             if not (isinstance(shape, list) and shape and all(_is_int(x) and x > 0 for x in shape)):
                 raise StoreError(f"{w}.shape {shape!r} is not a list of positive integers")
@@ -516,13 +523,10 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
     where = f"{mpath}: expert_layout"
     if not isinstance(d, dict):
         raise StoreError(f"{where}: not an object")
-    try:
-        qtype, d_model, d_ff = d["qtype"], int(d["d_model"]), int(d["d_ff"])
-        rec = int(d["record_nbytes"])
-        raw = d["tensors"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StoreError(f"{where}: missing or malformed field {exc}") from None
-    if qtype not in QTYPES:
+    qtype, raw = _need(d, "qtype", where), _need(d, "tensors", where)
+    d_model, d_ff = _int_field(d, "d_model", where), _int_field(d, "d_ff", where)
+    rec = _int_field(d, "record_nbytes", where)
+    if not isinstance(qtype, str) or qtype not in QTYPES:
         raise StoreError(f"{where}.qtype: unknown qtype {qtype!r}")
     if not isinstance(raw, dict):
         raise StoreError(f"{where}.tensors: not an object")
@@ -538,13 +542,18 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         w = f"{where}.tensors.{name}"
         if name not in EXPERT_TENSORS:
             raise StoreError(f"{w}: unknown tensor name (valid: {', '.join(EXPERT_TENSORS)})")
-        try:
-            spec = TensorSpec(
-                int(t["offset"]), int(t["nbytes"]), tuple(int(x) for x in t["shape"]), t["qtype"]
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{w}: missing or malformed field {exc}") from None
-        if spec.qtype not in QTYPES:
+        if not isinstance(t, dict):
+            raise StoreError(f"{w}: not an object")
+        shape = _need(t, "shape", w)
+        if not (isinstance(shape, list) and shape and all(_is_int(x) and x > 0 for x in shape)):
+            raise StoreError(f"{w}.shape {shape!r} is not a list of positive integers")
+        spec = TensorSpec(
+            _int_field(t, "offset", w),
+            _int_field(t, "nbytes", w),
+            tuple(shape),
+            _need(t, "qtype", w),
+        )
+        if not isinstance(spec.qtype, str) or spec.qtype not in QTYPES:
             raise StoreError(f"{w}.qtype: unknown qtype {spec.qtype!r}")
         if spec.offset < 0 or spec.offset % TENSOR_ALIGN:
             raise StoreError(f"{w}.offset {spec.offset} is not a multiple of {TENSOR_ALIGN}")
@@ -584,13 +593,15 @@ def _parse_records(
         raise StoreError(f"{mpath}: field 'experts' is not a list")
     for i, e in enumerate(entries):
         w = f"{mpath}: experts[{i}]"
-        try:
-            r = ExpertRecord(
-                int(e["layer"]), int(e["expert"]), int(e["offset"]), int(e["nbytes"]),
-                int(e["xxh3"], 16),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{w}: missing or malformed field {exc}") from None
+        if not isinstance(e, dict):
+            raise StoreError(f"{w}: not an object")
+        xxh3 = _need(e, "xxh3", w)
+        if not (isinstance(xxh3, str) and _HEX64.fullmatch(xxh3)):
+            raise StoreError(f"{w}.xxh3 {xxh3!r} is not 16 hex digits")
+        r = ExpertRecord(
+            _int_field(e, "layer", w), _int_field(e, "expert", w), _int_field(e, "offset", w),
+            _int_field(e, "nbytes", w), int(xxh3, 16),
+        )  # fmt: skip
         if r.layer < 0 or r.expert < 0:
             raise StoreError(f"{w}: layer {r.layer} / expert {r.expert} must be >= 0")
         if r.offset < 0 or r.offset % RECORD_ALIGN:
