@@ -293,6 +293,10 @@ class Engine:
             if not self._forwards and self._drained is not None:
                 self._drained.set()
 
+    def _cache_statistics(self) -> Any:
+        """The cache's statistics, or its last ones once the engine is closed."""
+        return self._final_cache_statistics if self._closed else self.cache.statistics()
+
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             from colibri.tokenizer import TokenizerError
@@ -339,7 +343,7 @@ class Engine:
         eos = tok.eos_token_ids if tok is not None else frozenset()
         decoder = tok.stream_decoder(ids) if tok is not None else None
         stops = StopChecker(params.stop)
-        c0, times0 = self.cache.statistics(), _times(self.pipeline)
+        c0, times0 = self._cache_statistics(), _times(self.pipeline)
         out: list[int] = []
         t_first = None
         finish = "length"
@@ -378,7 +382,7 @@ class Engine:
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()
-        c1, times1 = self.cache.statistics(), _times(self.pipeline)
+        c1, times1 = self._cache_statistics(), _times(self.pipeline)
         hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
         t_first = t_first or t_end
         stats = GenerationStatistics(
@@ -413,12 +417,14 @@ class Engine:
         """Release the cache, the reader and the compute thread. Streams still running end
         with finish_reason "cancelled" at their next token: a forward pass in flight (in any
         task) is first let finish, so no stream meets a closed cache. Idempotent."""
-        if self._closed:
+        if self._closing:
             return
-        self._closed = self._closing = True
+        self._closing = True
         while self._forwards:
             self._drained = asyncio.Event()
             await self._drained.wait()
+        self._final_cache_statistics = self.cache.statistics()
+        self._closed = True
         try:
             if self.pipeline.tracer is not None:
                 self.pipeline.tracer.save(self.options.trace)  # TraceError names the file
