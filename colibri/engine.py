@@ -57,8 +57,10 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(cfg, dict):
+        raise ColibriError(f"{path / 'generation_config.json'}: expected a JSON object")
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -329,7 +331,13 @@ class Engine:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ColibriError(
+                    f"prompt: a list must hold token ids (integers) or messages, got {bad[0]!r}"
+                )
+            ids = [int(t) for t in ids]
         if not ids:
             raise ColibriError("empty prompt")
         seq = self.new_sequence()

@@ -447,6 +447,10 @@ def export_gguf(
     out = Path(out_path)
     if out.exists() and not force:
         raise ConversionError(f"{out}: already exists (use --force to replace it)")
+    if out.is_dir():
+        raise ConversionError(f"{out}: is a directory; OUT.gguf must be a file name")
+    if not out.parent.is_dir():
+        raise ConversionError(f"{out}: directory {out.parent} does not exist")
     _check_supported(store)
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHS[store.model_type])]
     plan = _plan(store)

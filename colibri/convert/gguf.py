@@ -24,6 +24,7 @@ import numpy as np
 
 from colibri.convert import dense_qtype, progress, quantize
 from colibri.errors import ConversionError
+from colibri.io.config import ConfigError, check_config
 from colibri.io.format import ExpertLayout, StoreWriter
 
 # GGUF architecture -> (HF model_type, HF router name inside a layer)
@@ -166,6 +167,10 @@ def convert_gguf(
     except Exception as exc:  # the reader raises ValueError/KeyError/... on bad files
         raise ConversionError(f"{src}: cannot read GGUF (truncated or malformed): {exc}") from None
     model_type, cfg = gguf_config(reader, src)
+    try:
+        check_config(cfg, f"{src}: metadata (as config.json)")
+    except ConfigError as exc:
+        raise ConversionError(str(exc)) from None
     router = GGUF_ARCHS[_field(reader, "general.architecture")][1]
     H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
     E = cfg.get("num_local_experts") or cfg["num_experts"]
@@ -196,7 +201,7 @@ def convert_gguf(
             dense.append((f"model.layers.{m[1]}.{hf}.weight", t))
         else:
             raise ConversionError(f"{src}: unexpected tensor {t.name}")
-    if sorted(experts) != list(range(n)):
+    if len(experts) != n or sorted(experts) != list(range(n)):
         raise ConversionError(
             f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
         )

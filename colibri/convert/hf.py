@@ -32,6 +32,7 @@ from colibri.convert import SUPPORTED_ARCHS, TOKENIZER_FILES, dense_qtype, progr
 from colibri.errors import ConversionError, StoreError
 from colibri.io.config import ConfigError, check_config
 from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
+from colibri.registry import model_spec
 
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 _PER_EXPERT = re.compile(
@@ -93,8 +94,15 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise ConversionError(f"{index}: malformed ({exc})") from None
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: weight_map is not an object")
+            for name, fname in weight_map.items():
+                if not isinstance(fname, str) or not fname or "/" in fname or fname == "..":
+                    raise ConversionError(
+                        f"{index}: weight_map[{name!r}] is {fname!r}, not a file name in {src}"
+                    )
             files = sorted(set(weight_map.values()))
         elif (src / "model.safetensors").is_file():
             weight_map, files = {}, ["model.safetensors"]
@@ -362,7 +370,7 @@ def convert_hf(
         raise ConversionError(f"{src}: no config.json (not a Hugging Face checkpoint)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConversionError(f"{cfg_path}: not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConversionError(f"{cfg_path}: is a JSON {type(cfg).__name__}, not an object")
@@ -383,6 +391,10 @@ def convert_hf(
             f"{cfg_path}: field 'num_hidden_layers' is {cfg['num_hidden_layers']}, but the "
             f"checkpoint's tensors cover {top + 1} layers"
         )
+    try:  # every field the family reads, as the engine will read it
+        model_spec(cfg)
+    except StoreError as exc:
+        raise ConversionError(f"{cfg_path}: {exc}") from None
     experts, used, E, H, I = plan_experts(ck, model_type, cfg)  # noqa: E741
     dense = plan_dense(ck, model_type, cfg, used, dense_quant)
     layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")

@@ -179,7 +179,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raise StoreError(f"{path}: truncated safetensors file (header of {hlen} bytes)")
         try:
             header = json.loads(f.read(hlen))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise StoreError(f"{path}: safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise StoreError(f"{path}: safetensors header is a {type(header).__name__}, not an object")
@@ -231,10 +231,18 @@ def _need(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
+def _field(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise StoreError(f"{where}: missing or malformed field {key!r}")
+    return d[key]
+
+
 def _int_field(d: dict[str, Any], key: str, where: str) -> int:
-    value = _need(d, key, where)
+    value = _field(d, key, where)
     if not _is_int(value):
-        raise StoreError(f"{where}.{key} {value!r} is not an integer")
+        raise StoreError(
+            f"{where}: missing or malformed field {key!r}: {value!r} is not an integer"
+        )
     return value
 
 
@@ -523,7 +531,7 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
     where = f"{mpath}: expert_layout"
     if not isinstance(d, dict):
         raise StoreError(f"{where}: not an object")
-    qtype, raw = _need(d, "qtype", where), _need(d, "tensors", where)
+    qtype, raw = _field(d, "qtype", where), _field(d, "tensors", where)
     d_model, d_ff = _int_field(d, "d_model", where), _int_field(d, "d_ff", where)
     rec = _int_field(d, "record_nbytes", where)
     if not isinstance(qtype, str) or qtype not in QTYPES:
@@ -544,14 +552,14 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
             raise StoreError(f"{w}: unknown tensor name (valid: {', '.join(EXPERT_TENSORS)})")
         if not isinstance(t, dict):
             raise StoreError(f"{w}: not an object")
-        shape = _need(t, "shape", w)
+        shape = _field(t, "shape", w)
         if not (isinstance(shape, list) and shape and all(_is_int(x) and x > 0 for x in shape)):
             raise StoreError(f"{w}.shape {shape!r} is not a list of positive integers")
         spec = TensorSpec(
             _int_field(t, "offset", w),
             _int_field(t, "nbytes", w),
             tuple(shape),
-            _need(t, "qtype", w),
+            _field(t, "qtype", w),
         )
         if not isinstance(spec.qtype, str) or spec.qtype not in QTYPES:
             raise StoreError(f"{w}.qtype: unknown qtype {spec.qtype!r}")
@@ -595,7 +603,7 @@ def _parse_records(
         w = f"{mpath}: experts[{i}]"
         if not isinstance(e, dict):
             raise StoreError(f"{w}: not an object")
-        xxh3 = _need(e, "xxh3", w)
+        xxh3 = _field(e, "xxh3", w)
         if not (isinstance(xxh3, str) and _HEX64.fullmatch(xxh3)):
             raise StoreError(f"{w}.xxh3 {xxh3!r} is not 16 hex digits")
         r = ExpertRecord(
@@ -634,7 +642,7 @@ def open_store(path: str | os.PathLike[str]) -> Store:
         raise StoreError(f"{mpath}: missing (not a colibri store?)")
     try:
         manifest = json.loads(mpath.read_text())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise StoreError(f"{mpath}: not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise StoreError(f"{mpath}: field 'format' is not {FORMAT_NAME!r}")

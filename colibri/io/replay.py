@@ -340,6 +340,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    for name in ("record_nbytes", "budget", "budget_records", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value}: must be at least 1")
     trace = load_trace(args.trace)
     steps = list(trace.steps())
     if args.max_tokens:
