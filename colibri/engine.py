@@ -118,6 +118,8 @@ class EngineOptions:
             raise bad("activations", "must be f32 or q8_0")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
+        if self.trace is not None and not Path(self.trace).resolve().parent.is_dir():
+            raise bad("trace", f"directory {Path(self.trace).parent} does not exist")
 
 
 @dataclass(frozen=True)

@@ -487,6 +487,9 @@ def export_gguf(
             os.fsync(f.fileno())
         w.close()
         os.replace(tmp, out)
+    except OSError as exc:  # no space, file too large...: name OUT, leave nothing
+        tmp.unlink(missing_ok=True)
+        raise ConversionError(f"{out}: cannot write the GGUF file: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -329,16 +329,12 @@ def test_run_trace_onto_a_full_file_system(tmp_path):
     """RLIMIT_FSIZE makes the trace's writes fail (EFBIG) as a full disk would (ENOSPC)."""
     trace = tmp_path / "trace.npz"
 
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
     res = subprocess.run(
         [sys.executable, "-m", "colibri", "run", "-n", "20", "--trace", str(trace)],
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=limit,
+        preexec_fn=fsize_limited(1000),
     )
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     errors = [x for x in res.stderr.splitlines() if x.startswith("colibri: error:")]
@@ -360,9 +356,45 @@ def test_trace_save_on_enospc_names_the_file_and_leaves_nothing(tmp_path, monkey
 
 
 async def test_engine_close_reports_an_unwritable_trace_and_still_closes(base_store, tmp_path):
-    trace = tmp_path / "missing-dir" / "t.npz"
-    with pytest.raises(ColibriError, match="cannot write the trace"):
+    trace = tmp_path / "gone" / "t.npz"
+    with pytest.raises(ColibriError, match=r"option trace=.*: directory .*gone does not exist"):
+        async with open_engine(base_store, trace=str(trace)):
+            pass
+    trace.parent.mkdir()
+    with pytest.raises(ColibriError, match=f"{trace}: cannot write the trace"):
         async with open_engine(base_store, io="threads", trace=str(trace)) as engine:
             async for _ in engine.stream([1, 2], max_tokens=2):
                 pass
+            trace.parent.rmdir()  # the directory goes away before the trace is written
     assert engine.pipeline.executor._shutdown
+
+
+def fsize_limited(nbytes: int):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return limit
+
+
+def test_convert_and_export_onto_a_full_file_system(hf_src, tmp_path):
+    """Writes past RLIMIT_FSIZE fail (EFBIG) as on a full disk (ENOSPC): one line naming
+    OUT, and neither OUT nor a temporary is left."""
+    pytest.importorskip("gguf")
+    for args, out in (
+        (["convert", str(hf_src), str(tmp_path / "out")], tmp_path / "out"),
+        (["export-gguf", str(DEMO_STORE), str(tmp_path / "o.gguf")], tmp_path / "o.gguf"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "colibri", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=fsize_limited(100_000),
+        )
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        errors = [x for x in res.stderr.splitlines() if x.startswith("colibri: error:")]
+        assert len(errors) == 1 and f"{out}: cannot write" in errors[0], res.stderr
+        if args[0] == "convert":  # numpy's tofile reports a short write without errno
+            assert "File too large" in errors[0]
+        assert os.listdir(tmp_path) == []

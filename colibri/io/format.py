@@ -701,9 +701,12 @@ class StoreWriter:
     def __enter__(self) -> StoreWriter:
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, _tb: Any) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, StoreError):  # ENOSPC, EFBIG...
+                why = exc.strerror or str(exc)
+                raise StoreError(f"{self.out}: cannot write the store: {why} (nothing was left)")
 
     def begin_dense(self, plan: list[tuple[str, str, tuple[int, ...]]]) -> None:
         """Write dense.safetensors' header for `plan`: (HF name, qtype, logical shape) each."""
