@@ -197,7 +197,15 @@ class Engine:
                 f"{self.spec.moe.router.top_k} needs {minimum} bytes "
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
-        self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
+        # more than every record is never used: a budget above that does not reserve memory
+        budget = min(budget, max(minimum, len(store.records) * (-(-record_nbytes // 4096) * 4096)))
+        try:
+            self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
+        except (OSError, MemoryError) as exc:
+            raise ColibriError(
+                f"expert cache budget {budget / 2**30:.2f} GiB (--budget): cannot reserve that "
+                f"much memory ({getattr(exc, 'strerror', None) or exc}); give a smaller --budget"
+            ) from None
         self.reader = open_reader(
             store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
         )

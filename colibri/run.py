@@ -30,7 +30,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    try:
+        return int(float(m.group(1)) * scale)
+    except ValueError:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)") from None
 
 
 def size_arg(text: str) -> int:

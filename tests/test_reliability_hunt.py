@@ -11,11 +11,12 @@ import shutil
 import numpy as np
 import pytest
 
+from colibri.cli import main
 from colibri.engine import open_engine
 from colibri.errors import ColibriError
 from colibri.run import DEMO_STORE
 from tests.test_reliability_cli import base_store, hf_src, leftovers  # noqa: F401 - fixtures
-from tests.test_reliability_store import cli_error
+from tests.test_reliability_store import cli_error, colibri
 
 META = {"format": "colibri-routing-trace", "version": 1, "num_experts": 8}
 
@@ -125,3 +126,16 @@ async def test_generation_config_not_an_object(base_store, tmp_path):  # noqa: F
     with pytest.raises(ColibriError, match=r"generation_config\.json: expected a JSON object"):
         async with open_engine(store, io="threads"):
             pass
+
+
+def test_budget_above_every_record_reserves_only_what_they_need():
+    """--budget 100T used to fail with a bare '[Errno 12] Cannot allocate memory'."""
+    res = colibri("run", "--budget", "100T", "-n", "3", "--io", "threads", memory=3 << 30)
+    assert res.returncode == 0, res.stderr
+    assert "3 generated tokens" in res.stderr
+
+
+def test_invalid_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--budget", "1.5.5G"])
+    assert "invalid size '1.5.5G'" in capsys.readouterr().err
