@@ -139,3 +139,20 @@ def test_invalid_size(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--budget", "1.5.5G"])
     assert "invalid size '1.5.5G'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("head_count", [0, 4])
+def test_gguf_with_malformed_metadata(tmp_path, capsys, head_count):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint32("llama.expert_count", 8)
+    w.add_uint32("llama.embedding_length", 64)
+    w.add_uint32("llama.attention.head_count", head_count)  # and no tensors at all
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    line = cli_error(capsys, "convert", path, tmp_path / "out")
+    assert f"{path}: malformed GGUF metadata" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]

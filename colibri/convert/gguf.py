@@ -166,7 +166,11 @@ def convert_gguf(
         reader = GGUFReader(src)
     except Exception as exc:  # the reader raises ValueError/KeyError/... on bad files
         raise ConversionError(f"{src}: cannot read GGUF (truncated or malformed): {exc}") from None
-    model_type, cfg = gguf_config(reader, src)
+    try:
+        model_type, cfg = gguf_config(reader, src)
+    except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as exc:
+        msg = f"{src}: malformed GGUF metadata: {type(exc).__name__}: {exc}"
+        raise ConversionError(msg) from None
     try:
         check_config(cfg, f"{src}: metadata (as config.json)")
     except ConfigError as exc:
