@@ -15,6 +15,7 @@ from colibri.cli import main
 from colibri.engine import open_engine
 from colibri.errors import ColibriError
 from colibri.run import DEMO_STORE
+from tests import hf_models
 from tests.test_reliability_cli import base_store, hf_src, leftovers  # noqa: F401 - fixtures
 from tests.test_reliability_store import cli_error, colibri
 
@@ -156,3 +157,13 @@ def test_gguf_with_malformed_metadata(tmp_path, capsys, head_count):
     line = cli_error(capsys, "convert", path, tmp_path / "out")
     assert f"{path}: malformed GGUF metadata" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_expert_width_not_a_block_multiple(tmp_path, capsys, monkeypatch):
+    cls_name, extra = hf_models.CONFIGS["mixtral"]
+    monkeypatch.setitem(hf_models.CONFIGS, "mixtral", (cls_name, extra | {"intermediate_size": 40}))
+    src = hf_models.save(hf_models.build("mixtral"), tmp_path / "hf")
+    line = cli_error(capsys, "convert", src, tmp_path / "out", "--quant", "q4_0")
+    assert f"{src}: experts of hidden_size 64 x d_ff 40 cannot be stored as --quant q4_0" in line
+    assert not leftovers(tmp_path, "out")
+    assert main(["convert", str(src), str(tmp_path / "out"), "--quant", "f16"]) == 0

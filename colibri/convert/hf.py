@@ -397,7 +397,13 @@ def convert_hf(
         raise ConversionError(f"{cfg_path}: {exc}") from None
     experts, used, E, H, I = plan_experts(ck, model_type, cfg)  # noqa: E741
     dense = plan_dense(ck, model_type, cfg, used, dense_quant)
-    layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")
+    try:
+        layout = ExpertLayout.build(quant, H, I, biases=ARCHS[model_type].fused == "interleaved_t")
+    except StoreError as exc:  # block formats need columns (d_model, d_ff) in 32s
+        raise ConversionError(
+            f"{src}: experts of hidden_size {H} x d_ff {I} cannot be stored as --quant {quant}: "
+            f"{exc}; use f16, bf16 or f32"
+        ) from None
     total = sum(ck.nbytes(n) for n in ck.meta)
     bar = progress(total, f"convert {src.name}") if show_progress else None
     try:
