@@ -229,6 +229,14 @@ LIES = {
     "ffn_list": (_cfg(intermediate_size=[96]), r"field 'intermediate_size' is \[96\]"),
     "experts_count": (_cfg(num_local_experts=5), r"routed-expert count is 5"),
     "hidden": (_cfg(hidden_size=32), r"field 'hidden_size' is 32"),
+    "rope_theta_neg": (
+        _cfg(rope_parameters={"rope_type": "default", "rope_theta": -5.0}),
+        r"field 'rope_parameters'\.rope_theta is -5\.0: needs a positive number",
+    ),
+    "rope_factor_0": (
+        _cfg(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}),
+        r"field 'rope_parameters'\.factor is 0",
+    ),
     "config_list": (lambda m: m.update(config=[1, 2]), r"config is a list, not a JSON object"),
     "tensors_list": (
         lambda m: m["expert_layout"].update(tensors=["gate"]),

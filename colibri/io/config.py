@@ -61,6 +61,29 @@ STRING = ("model_type", "topk_method")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+# RoPE parameters (rope_parameters / rope_scaling, transformers' names): positive numbers
+_ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")
+_ROPE_NUMBER = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+
+
+def _check_rope(params: dict[str, Any], where: str) -> None:
+    for key, value in params.items():
+        if isinstance(value, dict):  # per-layer-type parameters
+            _check_rope(value, f"{where}.{key}")
+        elif value is None:
+            continue
+        elif key in _ROPE_POSITIVE and not (_is_number(value) and value > 0):
+            raise ConfigError(f"{where}.{key} is {value!r}: needs a positive number")
+        elif key in _ROPE_NUMBER and not _is_number(value):
+            raise ConfigError(f"{where}.{key} is {value!r}: needs a finite number")
+        elif key == "original_max_position_embeddings" and not (_is_int(value) and value > 0):
+            raise ConfigError(f"{where}.{key} is {value!r}: needs a positive integer")
+        elif key == "partial_rotary_factor" and not (_is_number(value) and 0 < value <= 1):
+            raise ConfigError(f"{where}.{key} is {value!r}: needs a number in (0, 1]")
+        elif key == "rope_type" and not isinstance(value, str):
+            raise ConfigError(f"{where}.{key} is {value!r}: needs a string")
+
+
 class ConfigError(ValueError):
     """A config field has the wrong type or an impossible value (message names it)."""
 
@@ -86,7 +109,8 @@ def check_config(config: Any, where: str | Path) -> dict[str, Any]:
     not positive (or negative where 0 is allowed); a number that is not finite or (where it
     must be) not positive; num_experts_per_tok above the routed-expert count;
     partial_rotary_factor outside (0, 1]; a bool, object, string or int-list field of
-    another type."""
+    another type; inside rope_parameters / rope_scaling, a rope_theta, factor, ... that is not
+    a positive number."""
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: config is a {type(config).__name__}, not a JSON object")
 
@@ -123,6 +147,9 @@ def check_config(config: Any, where: str | Path) -> dict[str, Any]:
             isinstance(value, list) and all(isinstance(x, str) for x in value)
         ):
             raise bad(key, "needs a list of strings")
+    for key in OBJECT:
+        if isinstance(config.get(key), dict):
+            _check_rope(config[key], f"{where}: field {key!r}")
     n_exp, top_k = num_experts(config), config.get("num_experts_per_tok")
     if n_exp is not None and top_k is not None and top_k > n_exp:
         raise bad("num_experts_per_tok", f"more than the {n_exp} routed experts")
