@@ -146,7 +146,12 @@ class Model:
         return data, QType.parse(qtype)
 
     def _vector(self, name: str, n: int) -> np.ndarray:
-        data, _qtype = self._raw(name, (n,), widen=True)
+        data, qtype = self._raw(name, (n,), widen=True)
+        if qtype not in (QType.F32, QType.F16, QType.BF16):  # block bytes are no floats
+            raise StoreError(
+                f"{self.store.path}: dense tensor {name!r} is {qtype.name.lower()}; norms, "
+                "biases and vectors must be f32, f16 or bf16"
+            )
         return np.ascontiguousarray(data, dtype=np.float32)
 
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:

@@ -167,3 +167,24 @@ def test_expert_width_not_a_block_multiple(tmp_path, capsys, monkeypatch):
     assert f"{src}: experts of hidden_size 64 x d_ff 40 cannot be stored as --quant q4_0" in line
     assert not leftovers(tmp_path, "out")
     assert main(["convert", str(src), str(tmp_path / "out"), "--quant", "f16"]) == 0
+
+
+async def test_norm_stored_as_blocks_is_refused(base_store, tmp_path):  # noqa: F811
+    """A manifest may describe a norm as q8_0 consistently (header, sizes): its block bytes
+    used to be read as floats."""
+    from tests.test_reliability_store import read_header, write_header
+
+    store = tmp_path / "store"
+    shutil.copytree(base_store, store)
+    name = "model.norm.weight"
+    header, data = read_header(store / "dense.safetensors")
+    b, _ = header[name]["data_offsets"]
+    n = header[name]["shape"][0]
+    header[name] = {"dtype": "U8", "shape": [n // 32 * 34], "data_offsets": [b, b + n // 32 * 34]}
+    write_header(store / "dense.safetensors", header, data)
+    m = json.loads((store / "manifest.json").read_text())
+    m["dense"][name] = {"qtype": "q8_0", "shape": [n]}
+    (store / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ColibriError, match=f"tensor '{name}' is q8_0; norms, biases"):
+        async with open_engine(store, io="threads"):
+            pass

@@ -242,6 +242,10 @@ LIES = {
         lambda m: m["expert_layout"].update(tensors=["gate"]),
         r"expert_layout\.tensors: not an object",
     ),
+    "layout_qtype": (
+        lambda m: m["expert_layout"].update(qtype="q4_0"),
+        r"expert_layout\.tensors\.gate\.qtype 'q8_0' != 'q4_0'",
+    ),
     "expert_-1": (lambda m: m["experts"][1].update(expert=-1), r"experts\[1\]: .*expert -1"),
     "dense_not_object": (lambda m: m.update(dense=[]), r"field 'dense' is not an object"),
     "experts_file": (lambda m: m.update(experts_file="../x"), r"field 'experts_file'"),

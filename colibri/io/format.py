@@ -579,6 +579,9 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         "down_bias": (d_model,),
     }
     for name, spec in tensors.items():
+        need = qtype if name in ("gate", "up", "down") else "f32"
+        if spec.qtype != need:
+            raise StoreError(f"{where}.tensors.{name}.qtype {spec.qtype!r} != {need!r}")
         if spec.shape != want[name]:
             raise StoreError(f"{where}.tensors.{name}.shape {list(spec.shape)} != {want[name]}")
     spans = sorted((s.offset, s.offset + s.nbytes, n) for n, s in tensors.items())
