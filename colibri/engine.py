@@ -492,48 +492,76 @@ class SyncEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        # close() may come from another thread than a running stream(): the loop stays up
+        # until the last stream has ended (with finish_reason "cancelled")
+        self._lock = threading.Lock()
+        self._streams = 0
+        self._closing = self._stopped = False
         self._cm = open_engine(path, **options)
         try:
             self.engine: Engine = self._call(self._cm.__aenter__())
         except BaseException:
-            self._stop()
+            self._closing = True
+            self._release_loop()
             raise
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ColibriError("the engine is closed")
+
     def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string."""
+        self._check_open()
         return self._call(self.engine.generate(prompt, **kw))
 
     def stream(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> Iterator[Token]:
-        """Token items as they are generated (see Engine.stream)."""
-        agen = self.engine.stream(prompt, **kw)
+        """Token items as they are generated (see Engine.stream). A close() from another
+        thread ends it with finish_reason "cancelled"."""
+        with self._lock:
+            self._check_open()
+            self._streams += 1
         try:
-            while True:
-                try:
-                    yield self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+            agen = self.engine.stream(prompt, **kw)
+            try:
+                while True:
+                    try:
+                        yield self._call(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+            finally:
+                self._call(agen.aclose())
         finally:
-            self._call(agen.aclose())
+            with self._lock:
+                self._streams -= 1
+            self._release_loop()
 
     def statistics(self) -> dict[str, Any]:
         return self.engine.statistics()
 
-    def _stop(self) -> None:
+    def _release_loop(self) -> None:
+        """Stop the loop thread once closing and no stream is left (once)."""
+        with self._lock:
+            if not self._closing or self._streams or self._stopped:
+                return
+            self._stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+            self._loop.close()
 
     def close(self) -> None:
-        """Close the engine and its thread."""
-        if self._loop.is_closed():
-            return
+        """Close the engine; its thread ends once no stream() is running (idempotent)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
             self._call(self._cm.__aexit__(None, None, None))
         finally:
-            self._stop()
+            self._release_loop()
 
     def __enter__(self) -> SyncEngine:
         return self

@@ -320,7 +320,9 @@ class Tokenizer:
         Raises:
             TokenizerError: no template, a template syntax error, or the template raised
                 (`raise_exception`, e.g. a role it does not support, or a Python error such as
-                a TypeError on an unexpected argument type); names the tokenizer directory.
+                a TypeError on an unexpected argument type), or rendering went past
+                `template_seconds` (default 10 s) or produced a value or output longer than
+                `template_max_chars` (16 Mi characters); names the template's file.
         """
         source = self.get_chat_template(chat_template, tools)
         if chat_template is not None:

@@ -164,6 +164,34 @@ async def test_close_while_a_stream_is_paused_ends_it_cancelled(base_store):
     assert len(rest) <= 1 and rest[-1].finish_reason == "cancelled"
 
 
+def test_sync_engine_closed_from_another_thread_ends_the_stream_cancelled(base_store):
+    import threading
+
+    from colibri.engine import SyncEngine
+
+    engine = SyncEngine(base_store, io="threads")
+    items, errors, started = [], [], threading.Event()
+
+    def consume():
+        try:
+            for t in engine.stream([1, 2, 3], max_tokens=2000, temperature=0):
+                items.append(t)
+                started.set()
+        except Exception as exc:  # the stream must not raise
+            errors.append(exc)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(60)
+    engine.close()
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert items[-1].finish_reason == "cancelled" and len(items) < 2000
+    assert not engine._thread.is_alive()
+    with pytest.raises(ColibriError, match="the engine is closed"):
+        engine.generate([1, 2], max_tokens=2)
+
+
 # ---- item 9: one-line errors ------------------------------------------------------------------
 
 
