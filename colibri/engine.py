@@ -60,8 +60,10 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(cfg, dict):
+        raise ColibriError(f"{path / 'generation_config.json'}: expected a JSON object")
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -128,6 +130,8 @@ class EngineOptions:
             or not all(w > 0 for w in self.mirror_weights)
         ):
             raise bad("mirror_weights", f"needs {1 + len(self.mirrors)} positive read shares")
+        if self.trace is not None and not Path(self.trace).resolve().parent.is_dir():
+            raise bad("trace", f"directory {Path(self.trace).parent} does not exist")
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,8 @@ class Engine:
     def __init__(self, store: Store, options: EngineOptions):
         self.store, self.options = store, options
         self.spec = model_spec(store.config)
+        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
+        self._check_kv_fits(self.n_ctx)
         self.model = Model(
             store, self.spec, nthreads=options.threads, activations=options.activations
         )
@@ -213,7 +219,15 @@ class Engine:
                 f"{self.spec.moe.router.top_k} needs {minimum} bytes "
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
-        self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
+        # more than every record is never used: a budget above that does not reserve memory
+        budget = min(budget, max(minimum, len(store.records) * (-(-record_nbytes // 4096) * 4096)))
+        try:
+            self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
+        except (OSError, MemoryError) as exc:
+            raise ColibriError(
+                f"expert cache budget {budget / 2**30:.2f} GiB (--budget): cannot reserve that "
+                f"much memory ({getattr(exc, 'strerror', None) or exc}); give a smaller --budget"
+            ) from None
         if options.mirrors:
             from colibri.io.mirror import open_mirrored_reader
 
@@ -249,18 +263,42 @@ class Engine:
                 router.num_experts,
                 meta={"model_type": self.spec.model_type, "source": str(store.path)},
             )
-        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
         self.tokenizer: Tokenizer | None = None
         if (store.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_dir(store.path)
         self.prefill_chunk = 256
         self.generation_defaults = generation_defaults(store.path)
         self._closing = False
+        self._closed = False
+        self._forwards = 0  # streams' forward passes in flight (aclose waits for them)
+        self._drained: asyncio.Event | None = None
+
+    def _check_kv_fits(self, n_ctx: int) -> None:
+        """ColibriError when one sequence's KV cache of n_ctx tokens exceeds the memory
+        available (MemAvailable), before anything is allocated."""
+        dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
+        need, avail = KVCache.nbytes_for(self.spec, n_ctx, dtype), available_memory()
+        if avail and need > avail:
+            raise ColibriError(
+                f"context length {n_ctx} (--ctx / n_ctx): one sequence's {self.options.kv_dtype}"
+                f" KV cache needs {need / 2**30:.2f} GiB, only {avail / 2**30:.2f} GiB of "
+                "memory is available; lower --ctx" + (" or use --kv f16" * (dtype == np.float32))
+            )
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
-        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
+        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's).
+        Raises ColibriError when that KV cache does not fit in memory."""
         dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
-        return Sequence(KVCache.allocate(self.spec, n_ctx or self.n_ctx, dtype))
+        n = n_ctx or self.n_ctx
+        if n != self.n_ctx:
+            self._check_kv_fits(n)
+        try:
+            return Sequence(KVCache.allocate(self.spec, n, dtype))
+        except MemoryError:
+            need = KVCache.nbytes_for(self.spec, n, dtype)
+            raise ColibriError(
+                f"context length {n}: cannot allocate its KV cache of {need / 2**30:.2f} GiB"
+            ) from None
 
     async def forward(
         self, seq: Sequence, tokens: list[int], all_logits: bool = False, logits_from: int = 0
@@ -319,6 +357,23 @@ class Engine:
         text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs)
         return tok.encode(text, add_special_tokens=False)
 
+    async def _stream_forward(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+        """forward() for stream(): refused with _Closed once aclose() has begun; a pass
+        already running finishes before aclose() releases the cache, reader and thread."""
+        if self._closing:
+            raise _Closed
+        self._forwards += 1
+        try:
+            return await self.forward(seq, tokens)
+        finally:
+            self._forwards -= 1
+            if not self._forwards and self._drained is not None:
+                self._drained.set()
+
+    def _cache_statistics(self) -> Any:
+        """The cache's statistics, or its last ones once the engine is closed."""
+        return self._final_cache_statistics if self._closed else self.cache.statistics()
+
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             from colibri.tokenizer import TokenizerError
@@ -351,7 +406,13 @@ class Engine:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ColibriError(
+                    f"prompt: a list must hold token ids (integers) or messages, got {bad[0]!r}"
+                )
+            ids = [int(t) for t in ids]
         if not ids:
             raise ColibriError("empty prompt")
         seq = self.new_sequence()
@@ -365,13 +426,13 @@ class Engine:
         eos = tok.eos_token_ids if tok is not None else frozenset()
         decoder = tok.stream_decoder(ids) if tok is not None else None
         stops = StopChecker(params.stop)
-        c0, times0 = self.cache.statistics(), _times(self.pipeline)
+        c0, times0 = self._cache_statistics(), _times(self.pipeline)
         out: list[int] = []
         t_first = None
         finish = "length"
         try:
             for start in range(0, len(ids), self.prefill_chunk):
-                logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
+                logits = await self._stream_forward(seq, ids[start : start + self.prefill_chunk])
             while len(out) < max_tokens:
                 if self._closing:
                     finish = "cancelled"
@@ -394,15 +455,17 @@ class Engine:
                     break
                 if seq.length + 1 > seq.kv.n_ctx:
                     break
-                logits = await self.forward(seq, [s.token_id])
+                logits = await self._stream_forward(seq, [s.token_id])
+        except _Closed:
+            finish = "cancelled"
         finally:
             seq.kv = None  # type: ignore[assignment]  # free the KV cache now
         tail = ""
-        if finish != "stop" and decoder is not None:
+        if not stops.stopped and decoder is not None:  # held-back text ends EOS/length too
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()
-        c1, times1 = self.cache.statistics(), _times(self.pipeline)
+        c1, times1 = self._cache_statistics(), _times(self.pipeline)
         hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
         t_first = t_first or t_end
         stats = GenerationStatistics(
@@ -455,14 +518,28 @@ class Engine:
 
     async def aclose(self) -> None:
         """Release the cache, the reader and the compute thread. Streams still running end
-        with finish_reason "cancelled" at their next token."""
+        with finish_reason "cancelled" at their next token: a forward pass in flight (in any
+        task) is first let finish, so no stream meets a closed cache. Idempotent."""
+        if self._closing:
+            return
         self._closing = True
-        if self.pipeline.tracer is not None:
-            self.pipeline.tracer.save(self.options.trace)
-        self.pipeline.close()
-        await self.cache.aclose()
-        await self.reader.aclose()
-        self.pool.close()
+        while self._forwards:
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+        self._final_cache_statistics = self.cache.statistics()
+        self._closed = True
+        try:
+            if self.pipeline.tracer is not None:
+                self.pipeline.tracer.save(self.options.trace)  # TraceError names the file
+        finally:
+            self.pipeline.close()
+            await self.cache.aclose()
+            await self.reader.aclose()
+            self.pool.close()
+
+
+class _Closed(Exception):
+    """Internal: the engine began closing; the stream ends with finish_reason "cancelled"."""
 
 
 def _times(pipeline: Pipeline) -> tuple[float, float]:
@@ -500,48 +577,76 @@ class SyncEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        # close() may come from another thread than a running stream(): the loop stays up
+        # until the last stream has ended (with finish_reason "cancelled")
+        self._lock = threading.Lock()
+        self._streams = 0
+        self._closing = self._stopped = False
         self._cm = open_engine(path, **options)
         try:
             self.engine: Engine = self._call(self._cm.__aenter__())
         except BaseException:
-            self._stop()
+            self._closing = True
+            self._release_loop()
             raise
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ColibriError("the engine is closed")
+
     def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string."""
+        self._check_open()
         return self._call(self.engine.generate(prompt, **kw))
 
     def stream(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> Iterator[Token]:
-        """Token items as they are generated (see Engine.stream)."""
-        agen = self.engine.stream(prompt, **kw)
+        """Token items as they are generated (see Engine.stream). A close() from another
+        thread ends it with finish_reason "cancelled"."""
+        with self._lock:
+            self._check_open()
+            self._streams += 1
         try:
-            while True:
-                try:
-                    yield self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+            agen = self.engine.stream(prompt, **kw)
+            try:
+                while True:
+                    try:
+                        yield self._call(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+            finally:
+                self._call(agen.aclose())
         finally:
-            self._call(agen.aclose())
+            with self._lock:
+                self._streams -= 1
+            self._release_loop()
 
     def statistics(self) -> dict[str, Any]:
         return self.engine.statistics()
 
-    def _stop(self) -> None:
+    def _release_loop(self) -> None:
+        """Stop the loop thread once closing and no stream is left (once)."""
+        with self._lock:
+            if not self._closing or self._streams or self._stopped:
+                return
+            self._stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+            self._loop.close()
 
     def close(self) -> None:
-        """Close the engine and its thread."""
-        if self._loop.is_closed():
-            return
+        """Close the engine; its thread ends once no stream() is running (idempotent)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
             self._call(self._cm.__aexit__(None, None, None))
         finally:
-            self._stop()
+            self._release_loop()
 
     def __enter__(self) -> SyncEngine:
         return self

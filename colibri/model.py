@@ -70,8 +70,22 @@ class KVCache:
     n_ctx: int
     length: int = 0
 
+    @staticmethod
+    def nbytes_for(spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> int:
+        """Bytes `allocate(spec, n_ctx, dtype)` would take (computed, nothing allocated)."""
+        per_token = 0
+        for layer in spec.layers:
+            a = layer.attention
+            if a.mla is not None:
+                per_token += a.mla.kv_lora_rank + a.rot_dim
+            else:
+                per_token += a.n_kv_heads * (a.head_dim + a.v_head_dim)
+        return per_token * n_ctx * np.dtype(dtype).itemsize
+
     @classmethod
     def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
+        """Zeroed keys and values for `n_ctx` tokens. Raises MemoryError when they do not
+        fit (callers check nbytes_for against the available memory first)."""
         k, v = [], []
         for layer in spec.layers:
             a = layer.attention
@@ -116,10 +130,14 @@ class Model:
         self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
 
     # ---- loading -------------------------------------------------------------------------
-    def _raw(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, QType]:
+    def _raw(
+        self, name: str, shape: tuple[int, ...], widen: bool = False
+    ) -> tuple[np.ndarray, QType]:
+        """Tensor `name` as stored (f16/bf16 kept 2 bytes wide for the kernels), or widened
+        to float32 when `widen`; checked against the logical `shape`."""
         if name not in self._names:
             raise StoreError(f"{self.store.path}: dense tensor {name!r} is missing")
-        data, qtype, logical = self.store.dense(name)
+        data, qtype, logical = self.store.dense(name, widen=widen)
         if tuple(logical) != tuple(shape):
             raise StoreError(
                 f"{self.store.path}: tensor {name!r} has shape {list(logical)}, "
@@ -128,7 +146,12 @@ class Model:
         return data, QType.parse(qtype)
 
     def _vector(self, name: str, n: int) -> np.ndarray:
-        data, _qtype = self._raw(name, (n,))
+        data, qtype = self._raw(name, (n,), widen=True)
+        if qtype not in (QType.F32, QType.F16, QType.BF16):  # block bytes are no floats
+            raise StoreError(
+                f"{self.store.path}: dense tensor {name!r} is {qtype.name.lower()}; norms, "
+                "biases and vectors must be f32, f16 or bf16"
+            )
         return np.ascontiguousarray(data, dtype=np.float32)
 
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
@@ -242,12 +265,12 @@ class Model:
         q = w["q"](h, nthreads=self.nthreads)
         k = w["k"](h, nthreads=self.nthreads)
         v = w["v"](h, nthreads=self.nthreads)
-        if a.clip_qkv is not None:
-            for t in (q, k, v):
-                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
         if a.qk_norm == "full":
             ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
             ops.rmsnorm(k, k, w["k_norm"], self.spec.norm_eps)
+        if a.clip_qkv is not None:  # after the q/k norm, as OlmoeAttention clamps
+            for t in (q, k, v):
+                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
         q = q.reshape(n, a.n_heads, a.head_dim)
         k = k.reshape(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm == "head":

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
+from colibri.errors import TokenizerError
+from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
@@ -28,7 +30,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    try:
+        return int(float(m.group(1)) * scale)
+    except ValueError:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)") from None
 
 
 def size_arg(text: str) -> int:
@@ -331,7 +336,7 @@ def _say_backend(engine: Engine, requested: str) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     path = _model_path(args)
-    prompt: Any = args.prompt if args.prompt is not None else DEMO_PROMPT
+    prompt: Any = check_utf8(args.prompt, "--prompt") if args.prompt is not None else DEMO_PROMPT
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     opts, profile = engine_options(args, path)
@@ -378,6 +383,11 @@ async def _chat(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 break
+            try:
+                check_utf8(line, "input line")
+            except TokenizerError as exc:
+                print(f"colibri: error: {exc}; line ignored", file=sys.stderr)
+                continue
             messages.append({"role": "user", "content": line})
             task = asyncio.ensure_future(
                 _print_stream(engine, messages, _sampling(args), profile=profile, session=session)

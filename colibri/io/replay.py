@@ -34,7 +34,7 @@ from colibri.io.format import ExpertRecord
 from colibri.io.prefetch import Prefetcher
 from colibri.io.reader import open_reader
 from colibri.io.slab import SlabPool
-from colibri.io.trace import RoutingTrace, load_mixtral_jsonl
+from colibri.io.trace import RoutingTrace, TraceError, load_mixtral_jsonl
 
 Step = tuple[int, int, list[int]]  # (token, layer, experts)
 
@@ -76,13 +76,18 @@ class SyntheticStore:
         rng = np.random.default_rng(seed)
         sums = np.zeros((num_layers, num_experts), np.uint64)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for layer in range(num_layers):
-                for e in range(num_experts):
-                    rec = rng.integers(0, 256, record_nbytes, dtype=np.uint8)
-                    sums[layer, e] = xxhash.xxh3_64_intdigest(rec)
-                    f.write(rec.data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                for layer in range(num_layers):
+                    for e in range(num_experts):
+                        rec = rng.integers(0, 256, record_nbytes, dtype=np.uint8)
+                        sums[layer, e] = xxhash.xxh3_64_intdigest(rec)
+                        f.write(rec.data)
+            os.replace(tmp, path)
+        except BaseException:  # no space, Ctrl-C, SIGTERM (colibri.cli): leave nothing
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         return cls(path, num_layers, num_experts, record_nbytes, sums, top_k)
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
@@ -278,6 +283,23 @@ def parse_nbytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def check_trace_fits(trace: RoutingTrace, steps: list[Step], store: Any, where: str) -> None:
+    """TraceError unless every (layer, expert) the trace reads has a record in `store`."""
+    have = set(store.moe_layers)
+    bad_layers = sorted({layer for _, layer, _ in steps} - have)
+    if bad_layers:
+        raise TraceError(
+            f"{where}: the trace routes layers {bad_layers[:5]}, which have no experts in "
+            f"{store.path}"
+        )
+    top = max(e for _, _, ex in steps for e in ex)
+    if top >= store.num_experts:
+        raise TraceError(
+            f"{where}: the trace uses expert {top} (of {trace.num_experts}), {store.path} has "
+            f"{store.num_experts} experts per layer"
+        )
+
+
 def load_trace(path: str) -> RoutingTrace:
     return load_mixtral_jsonl(path) if path.endswith(".jsonl") else RoutingTrace.load(path)
 
@@ -318,10 +340,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    for name in ("record_nbytes", "budget", "budget_records", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value}: must be at least 1")
     trace = load_trace(args.trace)
     steps = list(trace.steps())
     if args.max_tokens:
         steps = [s for s in steps if s[0] < args.max_tokens]
+    if not steps:
+        raise TraceError(f"{args.trace}: no routing steps to replay (the trace is empty)")
     total = len({(layer, e) for _, layer, ex in steps for e in ex})
     print(
         f"trace: {trace.num_tokens} tokens, {trace.num_layers} layers, top-{trace.top_k} of "
@@ -349,14 +378,16 @@ def run_cli(args: argparse.Namespace) -> int:
         from colibri.io.format import open_store
 
         store, tmp = open_store(args.store), None
+        check_trace_fits(trace, steps, store, args.trace)
     else:
         tmp = os.path.join(args.synthetic_dir, f"colibri-replay-{os.getpid()}.bin")
-        store = SyntheticStore.create(
-            tmp, trace.num_layers, trace.num_experts, args.record_nbytes, top_k=trace.top_k
-        )
-    nbytes = (int(store.layout.record_nbytes) + 4095) // 4096 * 4096
-    budget = args.budget or nbytes * (args.budget_records or max(trace.top_k, total // 4))
     try:
+        if tmp:
+            store = SyntheticStore.create(
+                tmp, trace.num_layers, trace.num_experts, args.record_nbytes, top_k=trace.top_k
+            )
+        nbytes = (int(store.layout.record_nbytes) + 4095) // 4096 * 4096
+        budget = args.budget or nbytes * (args.budget_records or max(trace.top_k, total // 4))
         r = asyncio.run(
             replay(
                 trace,
@@ -372,7 +403,7 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         )
     finally:
-        if tmp:
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
     c = r.cache
     print(f"io: {r.reader.backend} ({r.reader.reason}); slab: {r.pool.backing}")
