@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +133,77 @@ class GenerationStatistics:
     bytes_read: int
     wait_io_seconds: float
     compute_seconds: float
+    expert_hits: int = 0  # cache gets served from RAM while this stream ran
+    expert_misses: int = 0  # gets that needed (or waited on) a read
 
     @property
     def bytes_read_per_token(self) -> float:
         return self.bytes_read / max(1, self.generated_tokens)
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """A snapshot of an engine's figures, read by the CLI, the server's /metrics and bench.
+
+    Counters (since the engine opened; `delta()` turns two snapshots into an interval):
+    expert_hits / expert_misses: expert cache gets served from RAM / needing a read;
+    bytes_read: bytes of expert records read; reads: records read; evictions;
+    wait_io_seconds / compute_seconds: pipeline time awaiting records / in kernels;
+    forward_steps: batched forward passes; prompt_tokens / generated_tokens: tokens prefilled
+    and sampled by streams; prefix_hits: prompt tokens whose KV came from the prefix cache.
+    Gauges (the moment of the snapshot): running / waiting: sequences decoding / queued;
+    reads_in_flight; leased: cache entries held by a computation; cache_used_nbytes /
+    cache_budget_nbytes: expert cache bytes holding records / allowed; prefix_nbytes: KV bytes
+    held by the prefix cache. hit_rate: expert_hits / gets (1.0 when there were none).
+    cache, prefetch, reader, slab: the components' own records (not subtracted by delta).
+    """
+
+    expert_hits: int
+    expert_misses: int
+    bytes_read: int
+    reads: int
+    evictions: int
+    wait_io_seconds: float
+    compute_seconds: float
+    forward_steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefix_hits: int
+    running: int
+    waiting: int
+    reads_in_flight: int
+    leased: int
+    cache_used_nbytes: int
+    cache_budget_nbytes: int
+    prefix_nbytes: int
+    dense_nbytes: int
+    cache: Any = None
+    prefetch: Any = None
+    reader: Any = None
+    slab: Any = None
+
+    COUNTERS = (
+        "expert_hits",
+        "expert_misses",
+        "bytes_read",
+        "reads",
+        "evictions",
+        "wait_io_seconds",
+        "compute_seconds",
+        "forward_steps",
+        "prompt_tokens",
+        "generated_tokens",
+        "prefix_hits",
+    )
+
+    @property
+    def hit_rate(self) -> float:
+        gets = self.expert_hits + self.expert_misses
+        return self.expert_hits / gets if gets else 1.0
+
+    def delta(self, before: EngineStatistics) -> EngineStatistics:
+        """The counters of the interval since `before` (gauges as in self)."""
+        return replace(self, **{k: getattr(self, k) - getattr(before, k) for k in self.COUNTERS})
 
 
 @dataclass(frozen=True)
@@ -157,6 +224,7 @@ class Token:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: str | None = None
     statistics: GenerationStatistics | None = None
+    stop: str | None = None  # on the last item: the stop string that ended generation
 
 
 class Sequence:
@@ -217,6 +285,9 @@ class Engine:
         self.prefill_chunk = 256
         self.generation_defaults = generation_defaults(store.path)
         self._closing = False
+        self._counts = dict.fromkeys(
+            ("prompt_tokens", "generated_tokens", "prefix_hits", "running", "waiting"), 0
+        )
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
         """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
@@ -267,6 +338,7 @@ class Engine:
         *,
         max_tokens: int = 256,
         template_kwargs: Mapping[str, Any] | None = None,
+        ignore_eos: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[Token]:
         """Generate from a prompt: a string, chat messages ([{"role", "content"}, ...], rendered
@@ -275,7 +347,8 @@ class Engine:
         sampling: SamplingParams fields (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed, logprobs, stop); temperature 0 is greedy.
         Fields not given come from the model's generation_config.json (as transformers'
-        generate() does), else SamplingParams' defaults.
+        generate() does), else SamplingParams' defaults. ignore_eos: keep generating past
+        end-of-sequence tokens (benchmarks; vLLM's option of that name).
         Yields Token items; the last one carries finish_reason and statistics. Breaking out
         of the loop or cancelling the task stops generation and releases every expert
         record it held. Raises SamplingError (bad sampling values), TokenizerError, and
@@ -297,22 +370,26 @@ class Engine:
             )
         sampler = Sampler(params)
         tok = self.tokenizer
-        eos = tok.eos_token_ids if tok is not None else frozenset()
+        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
         decoder = tok.stream_decoder(ids) if tok is not None else None
         stops = StopChecker(params.stop)
-        c0, times0 = self.cache.statistics(), _times(self.pipeline)
+        s0 = self.statistics()
         out: list[int] = []
         t_first = None
         finish = "length"
+        counts = self._counts
+        counts["running"] += 1
         try:
             for start in range(0, len(ids), self.prefill_chunk):
                 logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
+            counts["prompt_tokens"] += len(ids)
             while len(out) < max_tokens:
                 if self._closing:
                     finish = "cancelled"
                     break
                 s = sampler.sample(logits, ids, out)
                 out.append(s.token_id)
+                counts["generated_tokens"] += 1
                 if t_first is None:
                     t_first = time.perf_counter()
                 if s.token_id in eos:
@@ -331,14 +408,14 @@ class Engine:
                     break
                 logits = await self.forward(seq, [s.token_id])
         finally:
+            counts["running"] -= 1
             seq.kv = None  # type: ignore[assignment]  # free the KV cache now
         tail = ""
         if finish != "stop" and decoder is not None:
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()
-        c1, times1 = self.cache.statistics(), _times(self.pipeline)
-        hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
+        d = self.statistics().delta(s0)
         t_first = t_first or t_end
         stats = GenerationStatistics(
             prompt_tokens=len(ids),
@@ -346,27 +423,48 @@ class Engine:
             ttft=t_first - t0,
             decode_tok_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
             total_seconds=t_end - t0,
-            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
-            bytes_read=c1.bytes_read - c0.bytes_read,
-            wait_io_seconds=times1[0] - times0[0],
-            compute_seconds=times1[1] - times0[1],
+            hit_rate=d.hit_rate,
+            bytes_read=d.bytes_read,
+            wait_io_seconds=d.wait_io_seconds,
+            compute_seconds=d.compute_seconds,
+            expert_hits=d.expert_hits,
+            expert_misses=d.expert_misses,
         )
-        yield Token(tail, None, finish_reason=finish, statistics=stats)
+        yield Token(tail, None, finish_reason=finish, statistics=stats, stop=stops.matched)
 
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
         return "".join([t.text async for t in self.stream(prompt, **kw)])
 
-    def statistics(self) -> dict[str, Any]:
-        """The engine's figures: cache, prefetcher, reader, slab pool, pipeline times."""
-        return {
-            "cache": self.cache.statistics(),
-            "prefetch": self.prefetcher.statistics() if self.prefetcher else None,
-            "reader": self.reader.statistics(),
-            "slab": self.pool.statistics(),
-            "pipeline": self.pipeline.times,
-            "dense_nbytes": self.model.dense_nbytes,
-        }
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's figures (EngineStatistics; never blocks)."""
+        c = self.cache.statistics()
+        t = self.pipeline.times
+        return EngineStatistics(
+            expert_hits=c.hits,
+            expert_misses=c.misses,
+            bytes_read=c.bytes_read,
+            reads=c.reads,
+            evictions=c.evictions,
+            wait_io_seconds=t.wait_io,
+            compute_seconds=t.compute,
+            forward_steps=t.steps,
+            prompt_tokens=self._counts["prompt_tokens"],
+            generated_tokens=self._counts["generated_tokens"],
+            prefix_hits=self._counts["prefix_hits"],
+            running=self._counts["running"],
+            waiting=self._counts["waiting"],
+            reads_in_flight=c.reads_in_flight,
+            leased=c.leased,
+            cache_used_nbytes=c.resident_entries * c.slot_nbytes,
+            cache_budget_nbytes=c.budget_nbytes,
+            prefix_nbytes=0,
+            dense_nbytes=self.model.dense_nbytes,
+            cache=c,
+            prefetch=self.prefetcher.statistics() if self.prefetcher else None,
+            reader=self.reader.statistics(),
+            slab=self.pool.statistics(),
+        )
 
     async def aclose(self) -> None:
         """Release the cache, the reader and the compute thread. Streams still running end
@@ -378,10 +476,6 @@ class Engine:
         await self.cache.aclose()
         await self.reader.aclose()
         self.pool.close()
-
-
-def _times(pipeline: Pipeline) -> tuple[float, float]:
-    return pipeline.times.wait_io, pipeline.times.compute
 
 
 @asynccontextmanager
@@ -441,7 +535,7 @@ class SyncEngine:
         finally:
             self._call(agen.aclose())
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> EngineStatistics:
         return self.engine.statistics()
 
     def _stop(self) -> None:

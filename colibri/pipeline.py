@@ -35,6 +35,7 @@ class StepTimes:
     wait_io: float = 0.0  # awaiting expert records that were not ready
     layers: int = 0
     experts: int = 0
+    steps: int = 0  # forward passes (one per batch of sequences)
 
 
 class Pipeline:
@@ -117,6 +118,7 @@ class Pipeline:
             self.times.layers += 1
         kv.length = pos0 + n
         self._traced += n
+        self.times.steps += 1
         return (await self._run(m.logits, x[-1:]))[0]
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:

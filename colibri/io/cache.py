@@ -219,6 +219,7 @@ class CacheStatistics:
     prefetch_late: int
     prefetch_wasted: int
     verify_seconds: float
+    leased: int = 0  # entries held by a get's lease or an unconsumed request
 
 
 class _Entry:
@@ -625,6 +626,7 @@ class ExpertCache:
             n["prefetch_late"],
             n["prefetch_wasted"],
             self._verify_seconds,
+            sum(e.refs > 0 for e in self._entries.values()),
         )
 
     def contains(self, layer: int, expert: int) -> bool:
