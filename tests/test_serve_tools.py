@@ -51,7 +51,9 @@ def test_template_tool_calls_parse_back(file, fmt):
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
     before = template.render(messages=user, tools=TOOLS, add_generation_prompt=True, **SPECIALS)
     after = template.render(messages=turn, tools=TOOLS, add_generation_prompt=False, **SPECIALS)
-    common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(before))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before)
+    )
     _, calls = parser.parse(after[common:])
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == ARGS
