@@ -34,8 +34,20 @@ from colibri.io.slab import SlabPool
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
 from colibri.registry import model_spec
-from colibri.sampling import Sampler, SamplingParams
-from colibri.tokenizer import StopChecker, Tokenizer
+from colibri.sampling import SamplingParams
+from colibri.scheduler import Generation, GenerationStatistics, Scheduler, Token
+from colibri.tokenizer import Tokenizer
+
+__all__ = [
+    "Engine",
+    "EngineOptions",
+    "EngineStatistics",
+    "GenerationStatistics",
+    "Sequence",
+    "SyncEngine",
+    "Token",
+    "open_engine",
+]
 
 DEFAULT_N_CTX = 4096
 
@@ -95,6 +107,7 @@ class EngineOptions:
     queue_depth: int = 32
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
+    max_running: int = 8  # sequences decoded together by stream() (continuous batching)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -116,29 +129,8 @@ class EngineOptions:
             raise bad("activations", "must be f32 or q8_0")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
-
-
-@dataclass(frozen=True)
-class GenerationStatistics:
-    """One stream's figures. Times in seconds; ttft: from the call to the first token;
-    decode_tok_s: generated tokens after the first / their time. hit_rate, bytes_read:
-    expert cache figures while this stream ran (shared with concurrent streams)."""
-
-    prompt_tokens: int
-    generated_tokens: int
-    ttft: float
-    decode_tok_s: float
-    total_seconds: float
-    hit_rate: float
-    bytes_read: int
-    wait_io_seconds: float
-    compute_seconds: float
-    expert_hits: int = 0  # cache gets served from RAM while this stream ran
-    expert_misses: int = 0  # gets that needed (or waited on) a read
-
-    @property
-    def bytes_read_per_token(self) -> float:
-        return self.bytes_read / max(1, self.generated_tokens)
+        if self.max_running < 1:
+            raise bad("max_running", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -206,27 +198,6 @@ class EngineStatistics:
         return replace(self, **{k: getattr(self, k) - getattr(before, k) for k in self.COUNTERS})
 
 
-@dataclass(frozen=True)
-class Token:
-    """One item of engine.stream().
-
-    text: the new text (may be "" while a multi-byte character or a possible stop string is
-    held back). token_id: the sampled id (None on a final item that only flushes text).
-    logprob: its log-probability under the processed distribution; top_logprobs: (id,
-    logprob) alternatives when asked for. finish_reason: None, or on the last item "stop"
-    (EOS or a stop string), "length" (max_tokens or the context is full) or "cancelled"
-    (the engine was closed). statistics: on the last item only.
-    """
-
-    text: str
-    token_id: int | None
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None
-    statistics: GenerationStatistics | None = None
-    stop: str | None = None  # on the last item: the stop string that ended generation
-
-
 class Sequence:
     """One conversation's state: its KV cache and the tokens it has seen."""
 
@@ -285,9 +256,11 @@ class Engine:
         self.prefill_chunk = 256
         self.generation_defaults = generation_defaults(store.path)
         self._closing = False
+        self._close_task: asyncio.Future | None = None
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hits", "running", "waiting"), 0
         )
+        self.scheduler = Scheduler(self, options.max_running, self.prefill_chunk)
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
         """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
@@ -362,75 +335,31 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ColibriError("empty prompt")
-        seq = self.new_sequence()
-        if len(ids) >= seq.kv.n_ctx:
+        if len(ids) >= self.n_ctx:
             raise ColibriError(
-                f"prompt too long: {len(ids)} tokens, context length {seq.kv.n_ctx} "
+                f"prompt too long: {len(ids)} tokens, context length {self.n_ctx} "
                 "(set n_ctx / --ctx)"
             )
-        sampler = Sampler(params)
+        vocab = self.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ColibriError(
+                f"token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
+            )
         tok = self.tokenizer
         eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
-        decoder = tok.stream_decoder(ids) if tok is not None else None
-        stops = StopChecker(params.stop)
-        s0 = self.statistics()
-        out: list[int] = []
-        t_first = None
-        finish = "length"
-        counts = self._counts
-        counts["running"] += 1
+        gen = Generation(self, ids, params, eos, t0)
+        self.scheduler.submit(gen)
         try:
-            for start in range(0, len(ids), self.prefill_chunk):
-                logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
-            counts["prompt_tokens"] += len(ids)
-            while len(out) < max_tokens:
-                if self._closing:
-                    finish = "cancelled"
-                    break
-                s = sampler.sample(logits, ids, out)
-                out.append(s.token_id)
-                counts["generated_tokens"] += 1
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if s.token_id in eos:
-                    finish = "stop"
-                    yield Token("", s.token_id, s.logprob, s.top_logprobs)
-                    break
-                text = decoder.push(s.token_id) if decoder is not None else ""
-                text, stopped = stops.push(text)
-                yield Token(text, s.token_id, s.logprob, s.top_logprobs)
-                if stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= max_tokens:
-                    break
-                if seq.length + 1 > seq.kv.n_ctx:
-                    break
-                logits = await self.forward(seq, [s.token_id])
+            while True:
+                item = await gen.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
         finally:
-            counts["running"] -= 1
-            seq.kv = None  # type: ignore[assignment]  # free the KV cache now
-        tail = ""
-        if finish != "stop" and decoder is not None:
-            tail, _ = stops.push(decoder.flush())
-            tail += stops.flush()
-        t_end = time.perf_counter()
-        d = self.statistics().delta(s0)
-        t_first = t_first or t_end
-        stats = GenerationStatistics(
-            prompt_tokens=len(ids),
-            generated_tokens=len(out),
-            ttft=t_first - t0,
-            decode_tok_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
-            total_seconds=t_end - t0,
-            hit_rate=d.hit_rate,
-            bytes_read=d.bytes_read,
-            wait_io_seconds=d.wait_io_seconds,
-            compute_seconds=d.compute_seconds,
-            expert_hits=d.expert_hits,
-            expert_misses=d.expert_misses,
-        )
-        yield Token(tail, None, finish_reason=finish, statistics=stats, stop=stops.matched)
+            self.scheduler.cancel(gen)  # a no-op once it has finished
 
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
@@ -468,8 +397,15 @@ class Engine:
 
     async def aclose(self) -> None:
         """Release the cache, the reader and the compute thread. Streams still running end
-        with finish_reason "cancelled" at their next token."""
+        with finish_reason "cancelled" after the current step. Calling it again waits for
+        the first call to finish."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._aclose())
+        await asyncio.shield(self._close_task)
+
+    async def _aclose(self) -> None:
         self._closing = True
+        await self.scheduler.aclose()
         if self.pipeline.tracer is not None:
             self.pipeline.tracer.save(self.options.trace)
         self.pipeline.close()

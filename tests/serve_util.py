@@ -35,7 +35,8 @@ class ServerThread:
     ) -> None:
         self.store, self.port = store, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.engine_options = {"io": "threads", **(engine_options or {})}
+        parallel = service_options.get("parallel", 4)
+        self.engine_options = {"io": "threads", "max_running": parallel, **(engine_options or {})}
         self.service_options, self.max_body_bytes = service_options, max_body_bytes
         self.server: Any = None
         self.service: Any = None

@@ -105,7 +105,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.parallel < 1 or args.max_queue < 0:
         raise ValueError("--parallel must be >= 1 and --max-queue >= 0")
     path = Path(args.model) if args.model else DEMO_STORE
-    async with open_engine(path, **_engine_options(args)) as engine:
+    options = {**_engine_options(args), "max_running": args.parallel}
+    async with open_engine(path, **options) as engine:
         _say_backend(engine, args.io)
         service = Service(
             engine,
