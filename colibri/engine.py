@@ -33,6 +33,7 @@ from colibri.io.reader import open_reader
 from colibri.io.slab import SlabPool
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
+from colibri.prefix_cache import PrefixCache
 from colibri.registry import model_spec
 from colibri.sampling import SamplingParams
 from colibri.scheduler import Generation, GenerationStatistics, Scheduler, Token
@@ -108,6 +109,7 @@ class EngineOptions:
     verify: bool = True
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
     max_running: int = 8  # sequences decoded together by stream() (continuous batching)
+    prefix_cache: int = 0  # bytes of prompt-prefix KV kept for reuse (0: off)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -131,6 +133,8 @@ class EngineOptions:
             raise bad("queue_depth", "must be >= 1")
         if self.max_running < 1:
             raise bad("max_running", "must be >= 1")
+        if self.prefix_cache < 0:
+            raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,7 @@ class Engine:
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hits", "running", "waiting"), 0
         )
+        self.prefix_cache = PrefixCache(options.prefix_cache) if options.prefix_cache else None
         self.scheduler = Scheduler(self, options.max_running, self.prefill_chunk)
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
@@ -387,7 +392,7 @@ class Engine:
             leased=c.leased,
             cache_used_nbytes=c.resident_entries * c.slot_nbytes,
             cache_budget_nbytes=c.budget_nbytes,
-            prefix_nbytes=0,
+            prefix_nbytes=self.prefix_cache.nbytes if self.prefix_cache else 0,
             dense_nbytes=self.model.dense_nbytes,
             cache=c,
             prefetch=self.prefetcher.statistics() if self.prefetcher else None,

@@ -106,6 +106,14 @@ class Generation:
         self.done = False
         self.cancelled = False
 
+    def reuse_prefix(self) -> None:
+        """Take the longest stored prefix of the prompt from the engine's prefix cache."""
+        pc = self.engine.prefix_cache
+        if pc is not None and self.pos == 0:
+            self.pos = self.prefix_tokens = pc.lookup(self.ids, self.seq.kv)
+            self.seq.tokens.extend(self.ids[: self.pos])
+            self.engine._counts["prefix_hits"] += self.pos
+
     @property
     def prefilling(self) -> bool:
         return self.pos < len(self.ids)
@@ -126,6 +134,8 @@ class Generation:
             if self.prefilling:
                 return
             self.engine._counts["prompt_tokens"] += len(self.ids)
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.store(self.ids, self.seq.kv)
         s = self.sampler.sample(logits, self.ids, self.out)
         self.out.append(s.token_id)
         self.engine._counts["generated_tokens"] += 1
@@ -250,7 +260,9 @@ class Scheduler:
         while not self._closing:
             self._drop_finished()
             while self.waiting and len(self.running) < self.max_running:
-                self.running.append(self.waiting.popleft())
+                gen = self.waiting.popleft()
+                gen.reuse_prefix()
+                self.running.append(gen)
             self._update_counts()
             if not self.running:
                 self._wake.clear()

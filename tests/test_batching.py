@@ -107,3 +107,57 @@ async def test_closing_the_engine_cancels_running_streams():
         items = [t async for t in agen]
         await closing
     assert items[-1].finish_reason == "cancelled"
+
+
+async def test_prefix_cache_reuses_a_shared_prompt_prefix():
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(5, 2000, size=1000).tolist()
+    a, b = [*prefix, 7, 8, 9], [*prefix, 10, 11, 12, 13]
+    async with open_engine(DEMO, io="threads") as cold:
+        expected = (await _run(cold, b, max_tokens=8, temperature=0))[0]
+    async with open_engine(DEMO, io="threads", prefix_cache=64 << 20) as eng:
+        first = (await _run(eng, a, max_tokens=8, temperature=0))[1].statistics
+        assert first.prefix_tokens == 0
+        s0 = eng.statistics()
+        got, last = await _run(eng, b, max_tokens=8, temperature=0)
+        d = eng.statistics().delta(s0)
+        assert last.statistics.prefix_tokens == 992 == d.prefix_hits  # 62 blocks of 16
+        assert got == expected
+        assert 0 < eng.statistics().prefix_nbytes <= 64 << 20
+        # a prompt that is all prefix still computes its last token
+        again = (await _run(eng, a, max_tokens=8, temperature=0))[1].statistics
+        assert again.prefix_tokens == 1000 // 16 * 16
+
+
+def test_prefix_cache_budget_evicts_oldest_blocks():
+    from types import SimpleNamespace
+
+    from colibri.engine import EngineOptions
+    from colibri.errors import ColibriError
+    from colibri.model import KVCache
+    from colibri.prefix_cache import PrefixCache
+
+    attention = SimpleNamespace(mla=None, n_kv_heads=1, head_dim=4, v_head_dim=4)
+    Spec = SimpleNamespace(layers=[SimpleNamespace(attention=attention)])  # what allocate reads
+    kv = KVCache.allocate(Spec, 64)
+    kv.k[0][:] = np.arange(64 * 4, dtype=np.float32).reshape(64, 1, 4)
+    kv.v[0][:] = -kv.k[0]
+    kv.length = 64
+    block_nbytes = 2 * 16 * 4 * 4
+    pc = PrefixCache(3 * block_nbytes, block_size=16)
+    ids = list(range(64))
+    pc.store(ids, kv)
+    assert pc.nbytes == 3 * block_nbytes  # four blocks, budget of three: the first evicted
+    fresh = KVCache.allocate(Spec, 64)
+    assert pc.lookup(ids, fresh) == 0  # block 0 is gone, so no prefix matches
+    pc2 = PrefixCache(10 * block_nbytes, block_size=16)
+    pc2.store(ids, kv)
+    fresh = KVCache.allocate(Spec, 64)
+    assert pc2.lookup([*ids[:40], 99, 98], fresh) == 32
+    np.testing.assert_array_equal(fresh.k[0][:32], kv.k[0][:32])
+    np.testing.assert_array_equal(fresh.v[0][:32], kv.v[0][:32])
+    assert not fresh.k[0][32:].any()
+    with pytest.raises(ColibriError, match="prefix_cache"):
+        EngineOptions(prefix_cache=-1)
+    with pytest.raises(ColibriError, match="max_running"):
+        EngineOptions(max_running=0)

@@ -57,6 +57,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--max-body", type=size_arg, default="32M", help="largest request body (default 32M)"
     )
     g.add_argument(
+        "--prefix-cache",
+        type=size_arg,
+        default="1G",
+        help="RAM for the KV of prompt prefixes reused by later requests (default 1G; 0: off)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -105,7 +111,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.parallel < 1 or args.max_queue < 0:
         raise ValueError("--parallel must be >= 1 and --max-queue >= 0")
     path = Path(args.model) if args.model else DEMO_STORE
-    options = {**_engine_options(args), "max_running": args.parallel}
+    options = {
+        **_engine_options(args),
+        "max_running": args.parallel,
+        "prefix_cache": args.prefix_cache,
+    }
     async with open_engine(path, **options) as engine:
         _say_backend(engine, args.io)
         service = Service(
