@@ -12,7 +12,8 @@ limits (disk with fio, memory bandwidth), kernels (matvec GB/s as a fraction of 
 bandwidth), decode (colibri decode/prefill, stores that fit the budget and 2-3x bigger, cold and
 warm, next to the storage and compute bounds), replay (the real Mixtral-8x7B routing trace per
 policy x budget x prefetch vs Belady; prefetcher recall on colibri's own runs), llama (llama.cpp
-on the same GGUF weights: in RAM, and both engines under one cgroup memory limit).
+on the same GGUF weights: in RAM, and both engines under one cgroup memory limit), serve
+(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT).
 
 Big files (synthetic stores, GGUFs, the fio file) go to --work and are kept for the next run.
 """
@@ -36,6 +37,7 @@ SECTIONS: dict[str, str] = {
     "decode": "bench.sec_decode",
     "replay": "bench.sec_replay",
     "llama": "bench.sec_llama",
+    "serve": "bench.sec_serve",
 }
 
 

@@ -370,16 +370,19 @@ class Engine:
         """The whole completion as one string (same arguments as stream())."""
         return "".join([t.text async for t in self.stream(prompt, **kw)])
 
-    def statistics(self) -> EngineStatistics:
-        """A snapshot of the engine's figures (EngineStatistics; never blocks)."""
-        c = self.cache.statistics()
+    def statistics(self, components: bool = True) -> EngineStatistics:
+        """A snapshot of the engine's figures (EngineStatistics; never blocks).
+        components=False leaves out the components' own records (cache, prefetch, reader,
+        slab): the cache's record measures resident memory page by page, too slow to take
+        on every request of a big pool."""
+        c = self.cache.counts()
         t = self.pipeline.times
         return EngineStatistics(
-            expert_hits=c.hits,
-            expert_misses=c.misses,
-            bytes_read=c.bytes_read,
-            reads=c.reads,
-            evictions=c.evictions,
+            expert_hits=c["hits"],
+            expert_misses=c["misses"],
+            bytes_read=c["bytes_read"],
+            reads=c["reads"],
+            evictions=c["evictions"],
             wait_io_seconds=t.wait_io,
             compute_seconds=t.compute,
             forward_steps=t.steps,
@@ -388,16 +391,16 @@ class Engine:
             prefix_hits=self._counts["prefix_hits"],
             running=self._counts["running"],
             waiting=self._counts["waiting"],
-            reads_in_flight=c.reads_in_flight,
-            leased=c.leased,
-            cache_used_nbytes=c.resident_entries * c.slot_nbytes,
-            cache_budget_nbytes=c.budget_nbytes,
+            reads_in_flight=c["reads_in_flight"],
+            leased=c["leased"],
+            cache_used_nbytes=c["resident_entries"] * c["slot_nbytes"],
+            cache_budget_nbytes=c["budget_nbytes"],
             prefix_nbytes=self.prefix_cache.nbytes if self.prefix_cache else 0,
             dense_nbytes=self.model.dense_nbytes,
-            cache=c,
-            prefetch=self.prefetcher.statistics() if self.prefetcher else None,
-            reader=self.reader.statistics(),
-            slab=self.pool.statistics(),
+            cache=self.cache.statistics() if components else None,
+            prefetch=self.prefetcher.statistics() if components and self.prefetcher else None,
+            reader=self.reader.statistics() if components else None,
+            slab=self.pool.statistics() if components else None,
         )
 
     async def aclose(self) -> None:

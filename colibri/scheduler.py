@@ -102,7 +102,7 @@ class Generation:
         self.out: list[int] = []
         self.queue: asyncio.Queue[Token | BaseException] = asyncio.Queue()
         self.t_first: float | None = None
-        self.s0 = engine.statistics()
+        self.s0 = engine.statistics(components=False)
         self.done = False
         self.cancelled = False
 
@@ -163,7 +163,7 @@ class Generation:
             tail, _ = self.stops.push(self.decoder.flush())
             tail += self.stops.flush()
         t_end = time.perf_counter()
-        d = self.engine.statistics().delta(self.s0)
+        d = self.engine.statistics(components=False).delta(self.s0)
         t_first = self.t_first or t_end
         n = len(self.out)
         stats = GenerationStatistics(

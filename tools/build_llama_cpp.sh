@@ -5,7 +5,7 @@
 #   tools/build_llama_cpp.sh            # build (or reuse) ~/.cache/colibri/llama.cpp-<version>/
 #   tools/build_llama_cpp.sh --print    # print the bin directory if a build is cached, else exit 1
 #
-# Result: $PREFIX/bin/{llama-bench,llama-completion,llama-quantize,llama-debug} (llama-debug
+# Result: $PREFIX/bin/{llama-bench,llama-completion,llama-quantize,llama-debug,llama-server} (llama-debug
 # --save-logits writes the last token's logits, used by the same-weights check), and
 # $PREFIX/src (the vendored llama.cpp tree, with its convert_hf_to_gguf.py and gguf-py).
 # Env: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), COLIBRI_CACHE (default ~/.cache/colibri),
@@ -21,7 +21,7 @@ main() {
   PREFIX="$CACHE/llama.cpp-$VERSION"
   JOBS="${JOBS:-2}"
   NICE="${NICE:-19}"
-  TARGETS=(llama-bench llama-completion llama-quantize llama-debug)
+  TARGETS=(llama-bench llama-completion llama-quantize llama-debug llama-server)
   REPO="$(cd "$(dirname "$0")/.." && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   [[ -x "$PYTHON" ]] || PYTHON=python3

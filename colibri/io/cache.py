@@ -629,6 +629,24 @@ class ExpertCache:
             sum(e.refs > 0 for e in self._entries.values()),
         )
 
+    def counts(self) -> dict[str, int]:
+        """The counters and occupancy of statistics() without measuring resident memory
+        (statistics() asks the kernel page by page): cheap enough for every request and
+        every scrape. Keys: hits, misses, bytes_read, reads, evictions, slot_waits,
+        reads_in_flight, resident_entries, leased, num_slots, slot_nbytes, budget_nbytes."""
+        ready = sum(e.ready for e in self._entries.values())
+        n = self._n
+        return {
+            **{k: n[k] for k in ("hits", "misses", "bytes_read", "reads", "evictions")},
+            "slot_waits": n["slot_waits"],
+            "reads_in_flight": len(self._entries) - ready,
+            "resident_entries": ready,
+            "leased": sum(e.refs > 0 for e in self._entries.values()),
+            "num_slots": self.pool.num_slots,
+            "slot_nbytes": self.pool.slot_nbytes,
+            "budget_nbytes": self.budget_nbytes,
+        }
+
     def contains(self, layer: int, expert: int) -> bool:
         """True when (layer, expert) is READY in the cache (a get would hit)."""
         entry = self._entries.get((layer, expert))

@@ -76,7 +76,7 @@ class Service:
         """The engine's EngineStatistics with the server's queue figures."""
         from dataclasses import replace
 
-        st = self.engine.statistics()
+        st = self.engine.statistics(components=False)
         return replace(st, waiting=st.waiting + self.admission.waiting)
 
     def check_model(self, name: str) -> None:
