@@ -17,6 +17,7 @@ it; the report says so when its binary is absent).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -52,12 +53,14 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "colibri", "serve", str(store), "--port", str(self.port),
-               "--parallel", "8", "--max-queue", "64", "--threads", str(ctx.threads), *extra]  # fmt: skip
+               "--parallel", "8", "--max-queue", "64", "--threads", str(ctx.threads),
+               *extra]  # fmt: skip
         ctx.record(cmd)
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        self.log = ctx.out / f"serve-{self.port}.log"  # a pipe nobody reads could fill up
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -65,11 +68,11 @@ class Server:
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"colibri serve did not start: {self.proc.stderr.read()}")
+                    err = self.log.read_text()[-2000:]
+                    raise RuntimeError(f"colibri serve did not start: {err}") from None
                 time.sleep(0.2)
-        self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][
-            0
-        ]["id"]
+        models = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())
+        self.model = models["data"][0]["id"]
 
     def metric(self, name: str) -> float:
         text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
@@ -116,8 +119,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 def load_test(srv: Server, clients: int, requests: int, prompt_len: int, tokens: int,
               vocab: int) -> dict[str, Any]:  # fmt: skip
     """`clients` threads, each sending `requests` streaming requests in turn."""
-    b0, g0 = srv.metric("colibri_expert_bytes_read_total"), srv.metric(
-        "colibri_generation_tokens_total"
+    b0, g0 = (
+        srv.metric("colibri_expert_bytes_read_total"),
+        srv.metric("colibri_generation_tokens_total"),
     )
     gaps: list[float] = []
     ttfts: list[float] = []
@@ -130,7 +134,7 @@ def load_test(srv: Server, clients: int, requests: int, prompt_len: int, tokens:
             ttft, times = srv.stream(prompt, tokens)
             with lock:
                 ttfts.append(ttft)
-                gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
+                gaps.extend(b - a for a, b in itertools.pairwise(times))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -186,6 +190,8 @@ def prefix_ttft(ctx: Context) -> dict[str, float]:
 def run(ctx: Context) -> Section:
     plan = {"requests": 2, "prompt": 32, "tokens": 32 if ctx.quick else 64}
     rows = _scenario(ctx, "in RAM (demo)", DEMO, ["--prefix-cache", "0"], plan, 2048)
+    rows += _scenario(ctx, "in RAM (demo), --batch fused", DEMO,
+                      ["--prefix-cache", "0", "--batch", "fused"], plan, 2048)  # fmt: skip
     notes = []
     layers = 2 if ctx.quick else 4
     ooc = ctx.work / f"{OOC_MODEL}-L{layers}-q4_0"

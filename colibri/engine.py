@@ -26,11 +26,8 @@ from typing import Any
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.io.cache import ExpertCache
 from colibri.io.format import Store, open_store
-from colibri.io.prefetch import Prefetcher
-from colibri.io.reader import open_reader
-from colibri.io.slab import SlabPool
+from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
 from colibri.prefix_cache import PrefixCache
@@ -110,6 +107,7 @@ class EngineOptions:
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
     max_running: int = 8  # sequences decoded together by stream() (continuous batching)
     prefix_cache: int = 0  # bytes of prompt-prefix KV kept for reuse (0: off)
+    batch: str = "split"  # how a batch's rows meet the kernels: "split" | "fused"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -133,6 +131,8 @@ class EngineOptions:
             raise bad("queue_depth", "must be >= 1")
         if self.max_running < 1:
             raise bad("max_running", "must be >= 1")
+        if self.batch not in ("split", "fused"):
+            raise bad("batch", "must be split or fused")
         if self.prefix_cache < 0:
             raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
 
@@ -221,7 +221,11 @@ class Engine:
         self.store, self.options = store, options
         self.spec = model_spec(store.config)
         self.model = Model(
-            store, self.spec, nthreads=options.threads, activations=options.activations
+            store,
+            self.spec,
+            nthreads=options.threads,
+            activations=options.activations,
+            pad=4 if options.batch == "fused" else 1,
         )
         budget = options.budget
         if budget is None:
@@ -234,14 +238,17 @@ class Engine:
                 f"{self.spec.moe.router.top_k} needs {minimum} bytes "
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
-        self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
-        self.reader = open_reader(
-            store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
+        self.io = open_expert_cache(
+            store,
+            budget,
+            io=options.io,
+            policy=options.policy,
+            queue_depth=options.queue_depth,
+            verify=options.verify,
+            prefetch=options.prefetch,
         )
-        self.cache = ExpertCache(
-            store, self.reader, budget, policy=options.policy, verify=options.verify
-        )
-        self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
+        self.pool, self.reader, self.cache = self.io.pool, self.io.reader, self.io.cache
+        self.prefetcher = self.io.prefetcher
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
         if options.trace:
             from colibri.io.trace import RoutingTraceWriter
@@ -364,7 +371,9 @@ class Engine:
                 if item.finish_reason is not None:
                     return
         finally:
-            self.scheduler.cancel(gen)  # a no-op once it has finished
+            step = self.scheduler.cancel(gen)  # a no-op once it has finished
+            if step is not None:  # it ran alone: its records are released when it ends
+                await asyncio.wait({step})
 
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
@@ -417,9 +426,8 @@ class Engine:
         if self.pipeline.tracer is not None:
             self.pipeline.tracer.save(self.options.trace)
         self.pipeline.close()
-        await self.cache.aclose()
-        await self.reader.aclose()
-        self.pool.close()
+        await self.io.aclose()
+        self.io.close_pool()
 
 
 @asynccontextmanager

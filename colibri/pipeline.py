@@ -14,6 +14,7 @@ never tokens.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,10 @@ class Pipeline:
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="colibri-compute")
         self.times = StepTimes()
+        # fused: the batch's rows are stacked into one array, so routers, experts, shared
+        # experts and the output head run once over every sequence's rows (one weight pass);
+        # the model must pad rows (Model(pad=4)) for that to stay batch-invariant
+        self.fused = getattr(model, "pad", 1) > 1
         self.tracer: Any = None  # a RoutingTraceWriter: every token's choice per layer
         self._traced = 0  # tokens recorded so far
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
@@ -124,13 +129,20 @@ class Pipeline:
         if self.prefetcher is not None:
             self.prefetcher.new_token()
         xs = await self._run(self._embed, [t for t, _ in batch])
+        stacked = None
+        if self.fused:  # one array, each sequence's rows a view into it
+            stacked = np.concatenate(xs)
+            offsets = np.cumsum([0] + [len(x) for x in xs])
+            xs = [stacked[a:b] for a, b in itertools.pairwise(offsets)]
         kvs = [kv for _, kv in batch]
         for spec in m.spec.layers:
             i = spec.index
             if not spec.moe:  # a dense layer: one trip to the compute thread
                 await self._run(self._dense_layers, i, xs, kvs, pos0)
                 continue
-            routed, predicted = await self._run(self._attention_and_route, i, xs, kvs, pos0)
+            routed, predicted = await self._run(
+                self._attention_and_route, i, xs, kvs, pos0, stacked
+            )
             if self.tracer is not None:
                 t0 = self._traced
                 for _h, ids, weights in routed:
@@ -141,24 +153,34 @@ class Pipeline:
             self.cache.request(i, experts)  # misses go to disk now, as one batch
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
-            await self._moe(i, xs, routed, experts)
+            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
             self._traced += len(tokens)
         self.times.steps += 1
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
-        return await self._run(self._logits, xs, want)
+        return await self._run(self._logits, xs, want, stacked is not None)
 
     def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
         return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
 
-    def _logits(self, xs: list[np.ndarray], all_logits: list[bool]) -> list[np.ndarray]:
+    def _logits(
+        self, xs: list[np.ndarray], all_logits: list[bool], fused: bool
+    ) -> list[np.ndarray]:
         m = self.model
-        return [
-            m.logits(x) if full else m.logits(x[-1:])[0]
-            for x, full in zip(xs, all_logits, strict=True)
-        ]
+        if not fused:
+            return [
+                m.logits(x) if full else m.logits(x[-1:])[0]
+                for x, full in zip(xs, all_logits, strict=True)
+            ]
+        rows = [x if full else x[-1:] for x, full in zip(xs, all_logits, strict=True)]
+        out, k = m.logits(np.concatenate(rows)), 0
+        result = []
+        for r, full in zip(rows, all_logits, strict=True):
+            result.append(out[k : k + len(r)] if full else out[k])
+            k += len(r)
+        return result
 
     def _dense_layers(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
@@ -174,15 +196,31 @@ class Pipeline:
         x += out
 
     def _attention_and_route(
-        self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
+        self,
+        i: int,
+        xs: list[np.ndarray],
+        kvs: list[KVCache],
+        pos0: list[int],
+        stacked: np.ndarray | None = None,
     ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, list[int]] | None]:
         """Per sequence: attention, the FFN input h and the routing (ids int32 [n, k],
         weights f32 [n, k]) of MoE layer i; and the union of what the next MoE layer's router
-        predicts (one trip to the compute thread)."""
+        predicts (one trip to the compute thread). With `stacked` (fused batches: xs are
+        views into it), the attention is per sequence and the rest runs once over all rows:
+        one (h, ids, weights) entry for the whole batch."""
         m = self.model
         nxt = None
         if self.prefetcher is not None and self.prefetcher.enabled:
             nxt = next((j for j in self._moe_layers if j > i), None)
+        if stacked is not None:
+            for x, kv, p in zip(xs, kvs, pos0, strict=True):
+                m.attention(i, x, kv, p)
+            h = m.post_norm(i, stacked)
+            predicted = None
+            if nxt is not None:
+                guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
+                predicted = (nxt, np.unique(guess).tolist())
+            return [(h, *m.route(i, h))], predicted
         routed, guesses = [], []
         for x, kv, p in zip(xs, kvs, pos0, strict=True):
             m.attention(i, x, kv, p)

@@ -92,6 +92,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="KV cache precision (default f32)",
     )
     g.add_argument(
+        "--batch",
+        choices=("split", "fused"),
+        default="split",
+        help="how concurrent sequences meet the kernels: split (default; per-sequence calls, "
+        "the tokens of a solo run) or fused (rows stacked and padded to 4: one weight pass "
+        "for all, tokens independent of the batch but not bit-equal to split's)",
+    )
+    g.add_argument(
         "--activations",
         choices=("f32", "q8_0"),
         default="q8_0",
@@ -157,6 +165,7 @@ ENGINE_OPTIONS = (
     "kv_dtype",
     "activations",
     "trace",
+    "batch",
 )
 SAMPLING_OPTIONS = (
     "max_tokens",

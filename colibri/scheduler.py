@@ -219,19 +219,24 @@ class Scheduler:
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._loop())
 
-    def cancel(self, gen: Generation) -> None:
-        """Stop a generation (its consumer went away); no-op once it has finished."""
+    def cancel(self, gen: Generation) -> asyncio.Future | None:
+        """Stop a generation (its consumer went away); no-op once it has finished. Returns
+        the step it was alone in, now cancelled (await it to know that every record the step
+        held is released), else None."""
         if gen.done:
-            return
+            return None
         gen.cancelled = True
+        step = None
         if gen in self.waiting:
             self.waiting.remove(gen)
             gen.done = True
             gen.seq.kv = None
         elif self._step is not None and self._step_members == [gen]:
-            self._step.cancel()  # alone in the step: stop it now
+            step = self._step
+            step.cancel()  # alone in the step: stop it now
         self._update_counts()
         self._wake.set()
+        return step
 
     async def aclose(self) -> None:
         """End every generation with "cancelled" after the current step; wait for the task."""

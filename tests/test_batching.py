@@ -23,8 +23,10 @@ async def _run(engine, prompt, **kw):
     return [(t.token_id, t.logprob, t.text) for t in items], items[-1]
 
 
-@pytest.mark.parametrize("activations", ["q8_0", "f32"])
-async def test_concurrent_streams_equal_solo_runs(activations):
+@pytest.mark.parametrize(
+    ("activations", "batch"), [("q8_0", "split"), ("f32", "split"), ("q8_0", "fused")]
+)
+async def test_concurrent_streams_equal_solo_runs(activations, batch):
     long_prompt = list(range(5, 5 + 600))  # three prefill chunks of 256
     reqs = [
         (PROMPTS[0], dict(max_tokens=24, temperature=0)),
@@ -33,7 +35,8 @@ async def test_concurrent_streams_equal_solo_runs(activations):
         (long_prompt, dict(max_tokens=12, temperature=0)),
         (PROMPTS[3], dict(max_tokens=24, temperature=0, ignore_eos=True)),
     ]
-    async with open_engine(DEMO, io="threads", activations=activations, max_running=8) as eng:
+    opts = dict(io="threads", activations=activations, max_running=8, batch=batch)
+    async with open_engine(DEMO, **opts) as eng:
         solo, solo_steps, solo_gets = [], 0, 0
         for prompt, kw in reqs:
             s0 = eng.statistics()
@@ -58,19 +61,41 @@ async def test_concurrent_streams_equal_solo_runs(activations):
         assert st.running == st.waiting == st.leased == 0
 
 
-def test_kernels_are_not_batch_invariant_so_the_pipeline_splits_by_sequence():
-    """Why Pipeline.forward_batch makes one kernel call per sequence: the SIMD Q4_0 matmul
-    blocks rows differently for 1, 2 and 4 rows, so a row's result depends on its batch.
-    (If this starts failing, the kernels became invariant and rows could be stacked.)"""
-    if ops.best_isa() == ops.ISA.SCALAR:
-        pytest.skip("the scalar kernels are row-invariant")
-    rng = np.random.default_rng(0)
-    w = ops.quantize(rng.standard_normal((64, 256)).astype(np.float32), QType.Q4_0)
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    together = ops.matmul_q8(w, QType.Q4_0, ops.quantize_act(x), np.empty((3, 64), np.float32))
-    alone = ops.matmul_q8(w, QType.Q4_0, ops.quantize_act(x[:1]), np.empty((1, 64), np.float32))
-    assert not np.array_equal(together[:1], alone)
-    np.testing.assert_allclose(together[:1], alone, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q8_0])
+@pytest.mark.parametrize("act_q8", [False, True])
+def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_q8):
+    """Why "split" batches call the kernels per sequence and "fused" ones pad to 4 rows: the
+    SIMD matmuls block rows by count (groups of 4, 2, 1; the Q8_0-activation GEMM from 2-3
+    rows), so a row's result depends on how many rows share its call, but not when every call
+    has a multiple of 4 rows (then each row takes the same path)."""
+    if act_q8 and qtype not in ops.Q8_ACT_TYPES:
+        pytest.skip("Q8_0 activations need Q4_0 or Q8_0 weights")
+    if ops.ISA[isa.upper()] > ops.best_isa():
+        pytest.skip(f"{isa} not available here")
+    before = ops.isa()
+    ops.set_isa(isa)
+    try:
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((96, 256)).astype(np.float32)
+        w = w if qtype == QType.F32 else ops.quantize(w, qtype)
+        x = rng.standard_normal((24, 256)).astype(np.float32)
+
+        def mm(rows):
+            out = np.empty((len(rows), 96), np.float32)
+            if act_q8:
+                return ops.matmul_q8(w, qtype, ops.quantize_act(rows), out)
+            return ops.matmul(w, qtype, rows, out)
+
+        full = mm(x)
+        for n in (4, 8, 12, 20):
+            for start in (0, 1, 3):
+                assert np.array_equal(mm(x[start : start + n]), full[start : start + n])
+        unpadded = [n for n in (1, 2, 3, 5, 6, 7) if not np.array_equal(mm(x[:n]), full[:n])]
+        if isa == "avx2" or qtype in (QType.Q4_0, QType.Q8_0):
+            assert unpadded  # the reason padding is needed
+    finally:
+        ops.set_isa(before)
 
 
 async def test_abandoned_and_waiting_streams_leave_nothing_behind():
@@ -109,13 +134,14 @@ async def test_closing_the_engine_cancels_running_streams():
     assert items[-1].finish_reason == "cancelled"
 
 
-async def test_prefix_cache_reuses_a_shared_prompt_prefix():
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_prefix_cache_reuses_a_shared_prompt_prefix(batch):
     rng = np.random.default_rng(5)
     prefix = rng.integers(5, 2000, size=1000).tolist()
     a, b = [*prefix, 7, 8, 9], [*prefix, 10, 11, 12, 13]
-    async with open_engine(DEMO, io="threads") as cold:
+    async with open_engine(DEMO, io="threads", batch=batch) as cold:
         expected = (await _run(cold, b, max_tokens=8, temperature=0))[0]
-    async with open_engine(DEMO, io="threads", prefix_cache=64 << 20) as eng:
+    async with open_engine(DEMO, io="threads", prefix_cache=64 << 20, batch=batch) as eng:
         first = (await _run(eng, a, max_tokens=8, temperature=0))[1].statistics
         assert first.prefix_tokens == 0
         s0 = eng.statistics()
@@ -161,3 +187,5 @@ def test_prefix_cache_budget_evicts_oldest_blocks():
         EngineOptions(prefix_cache=-1)
     with pytest.raises(ColibriError, match="max_running"):
         EngineOptions(max_running=0)
+    with pytest.raises(ColibriError, match="batch"):
+        EngineOptions(batch="stacked")
