@@ -375,6 +375,42 @@ class Engine:
             if step is not None:  # it ran alone: its records are released when it ends
                 await asyncio.wait({step})
 
+    async def score(self, ids: Seq[int], logprobs: int = 0) -> list[Token]:
+        """The log-probability of each token of `ids` given the ones before it (the raw
+        model distribution: log-softmax of the logits, no sampling processors), as
+        Token(text="", token_id, logprob, top_logprobs) for ids[1:]; top_logprobs: the
+        `logprobs` most likely (id, logprob) alternatives, most likely first. The prompt is
+        fed in the same chunks as a generation's prefill. Raises ColibriError when ids do
+        not fit in the context or hold an id outside the vocabulary."""
+        from colibri.sampling import log_softmax
+
+        ids = [int(t) for t in ids]
+        if len(ids) > self.n_ctx:
+            raise ColibriError(f"{len(ids)} tokens exceed the context length {self.n_ctx}")
+        vocab = self.spec.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ColibriError(f"token ids must be in [0, {vocab})")
+        seq = self.new_sequence()
+        rows: list[np.ndarray] = []
+        for start in range(0, len(ids) - 1, self.prefill_chunk):
+            chunk = np.asarray(ids[start : start + self.prefill_chunk], dtype=np.int64)
+            rows.append((await self.pipeline.forward_batch([(chunk, seq.kv)], [True]))[0])
+        seq.kv = None  # type: ignore[assignment]
+        out = []
+        if not rows:
+            return out
+        logits = np.concatenate(rows)
+        for t in range(1, len(ids)):
+            lp = log_softmax(logits[t - 1])
+            top: tuple[tuple[int, float], ...] = ()
+            if logprobs:
+                n = min(logprobs, lp.size)
+                cand = np.argpartition(-lp, n - 1)[:n]
+                best = cand[np.lexsort((cand, -lp[cand]))]  # by logprob, then lowest id
+                top = tuple((int(i), float(lp[i])) for i in best)
+            out.append(Token("", ids[t], float(lp[ids[t]]), top))
+        return out
+
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
         return "".join([t.text async for t in self.stream(prompt, **kw)])

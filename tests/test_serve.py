@@ -99,6 +99,46 @@ def test_completions_logprobs_stop_and_seed(server, oai, engine):
     assert a.choices[0].text == b.choices[0].text == sampled
 
 
+def test_completions_echo_scores_the_prompt(server, oai, engine):
+    """echo + logprobs (+ max_tokens 0), as lm-evaluation-harness's local-completions uses
+    it: the prompt's own token logprobs, checked against log-softmax of the engine's logits
+    fed one token at a time."""
+    import numpy as np
+
+    from colibri.sampling import log_softmax
+
+    prompt = "The for statement is used to iterate"
+    ids = engine.engine.encode_prompt(prompt)
+    r = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    c = r.choices[0]
+    assert c.text == engine.engine.tokenizer.decode(ids)
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.token_logprobs) == len(ids)
+
+    async def reference():
+        seq = engine.engine.new_sequence()
+        out = []
+        for i, t in enumerate(ids[:-1]):
+            logits = await engine.engine.forward(seq, [t])
+            out.append(float(log_softmax(logits)[ids[i + 1]]))
+        return out
+
+    want = engine._call(reference())
+    np.testing.assert_allclose(c.logprobs.token_logprobs[1:], want, rtol=1e-4, atol=1e-4)
+    for lp, top in zip(c.logprobs.token_logprobs[1:], c.logprobs.top_logprobs[1:], strict=True):
+        assert len(top) == 1 and max(top.values()) >= lp - 1e-9
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    r2 = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0
+    )
+    plain = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert r2.choices[0].text == c.text + plain.choices[0].text
+    assert len(r2.choices[0].logprobs.token_logprobs) == len(ids) + 3
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def test_chat_logprobs(server, oai, engine):
     items = _engine_items(engine, CHAT, max_tokens=5, temperature=0, logprobs=2)
     r = oai.chat.completions.create(

@@ -132,8 +132,6 @@ class _Logprobs:
 async def completions(service: Service, request: Request, body: Any) -> Any:
     req = parse(CompletionRequest, body)
     service.check_model(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported yet", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompt = req.prompt
@@ -148,7 +146,11 @@ async def completions(service: Service, request: Request, body: Any) -> Any:
     sampling = req.sampling()
     if req.logprobs:
         sampling["logprobs"] = req.logprobs
-    max_tokens = req.max_tokens or 16
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if req.echo:
+        return await _echo(service, request, req, ids, max_tokens, sampling)
+    if max_tokens == 0:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
     service.check(max_tokens, sampling)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     lp = _Logprobs(service) if req.logprobs is not None else None
@@ -191,6 +193,47 @@ async def completions(service: Service, request: Request, body: Any) -> Any:
         yield "data: [DONE]\n\n"
 
     return sse(events())
+
+
+async def _echo(
+    service: Service, request: Request, req: CompletionRequest, ids: list[int],
+    max_tokens: int, sampling: dict,
+) -> Any:  # fmt: skip
+    """echo: the prompt's text and (with logprobs) its tokens' logprobs, then max_tokens
+    (0 allowed) generated ones: what lm-evaluation-harness's local-completions model scores
+    with, as vLLM answers it. Not streamed."""
+    if req.stream:
+        raise APIError(400, "echo is not supported with stream", param="echo")
+    if max_tokens:
+        service.check(max_tokens, sampling)
+    scored = await service.score(ids, req.logprobs or 0)
+    toks = await collect(service, request, ids, max_tokens, sampling) if max_tokens else []
+    tok = service.engine.tokenizer
+    prompt_text = tok.decode(ids) if tok is not None else ""
+    text = prompt_text + "".join(t.text for t in toks)
+    logprobs = None
+    if req.logprobs is not None:
+        lp = _Logprobs(service)
+        first = Token("", ids[0])
+        logprobs = lp.completion([first, *scored], 0)
+        logprobs["token_logprobs"][0] = None
+        logprobs["top_logprobs"][0] = None
+        gen = lp.completion([t for t in toks if t.token_id is not None], len(prompt_text))
+        for k in logprobs:
+            logprobs[k] += gen[k]
+    last = toks[-1] if toks else None
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(last) if last else "length",
+    }
+    u = usage(last.statistics if last else None)
+    if last is None:
+        u.update(prompt_tokens=len(ids), total_tokens=len(ids))
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": req.model}  # fmt: skip
+    return JSONResponse({**head, "choices": [choice], "usage": u})
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------

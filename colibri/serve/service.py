@@ -129,6 +129,17 @@ class Service:
             raise APIError(400, f"bad sampling option: {exc}") from None
         self.admission.check()
 
+    async def score(self, ids: list[int], logprobs: int) -> list[Token]:
+        """Prompt logprobs (Engine.score), holding one of the `parallel` slots meanwhile."""
+        self.admission.check()
+        await self.admission.acquire()
+        try:
+            return await self.engine.score(ids, logprobs)
+        except ColibriError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        finally:
+            self.admission.release()
+
     async def generate(
         self, ids: list[int], max_tokens: int, sampling: dict[str, Any]
     ) -> AsyncIterator[Token]:
