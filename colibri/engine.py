@@ -145,6 +145,7 @@ class EngineStatistics:
     expert_hits / expert_misses: expert cache gets served from RAM / needing a read;
     bytes_read: bytes of expert records read; reads: records read; evictions;
     wait_io_seconds / compute_seconds: pipeline time awaiting records / in kernels;
+    verify_seconds: time hashing freshly read records;
     forward_steps: batched forward passes; prompt_tokens / generated_tokens: tokens prefilled
     and sampled by streams; prefix_hits: prompt tokens whose KV came from the prefix cache.
     Gauges (the moment of the snapshot): running / waiting: sequences decoding / queued;
@@ -161,6 +162,7 @@ class EngineStatistics:
     evictions: int
     wait_io_seconds: float
     compute_seconds: float
+    verify_seconds: float
     forward_steps: int
     prompt_tokens: int
     generated_tokens: int
@@ -186,6 +188,7 @@ class EngineStatistics:
         "evictions",
         "wait_io_seconds",
         "compute_seconds",
+        "verify_seconds",
         "forward_steps",
         "prompt_tokens",
         "generated_tokens",
@@ -430,6 +433,7 @@ class Engine:
             evictions=c["evictions"],
             wait_io_seconds=t.wait_io,
             compute_seconds=t.compute,
+            verify_seconds=c["verify_seconds"],
             forward_steps=t.steps,
             prompt_tokens=self._counts["prompt_tokens"],
             generated_tokens=self._counts["generated_tokens"],

@@ -633,7 +633,8 @@ class ExpertCache:
         """The counters and occupancy of statistics() without measuring resident memory
         (statistics() asks the kernel page by page): cheap enough for every request and
         every scrape. Keys: hits, misses, bytes_read, reads, evictions, slot_waits,
-        reads_in_flight, resident_entries, leased, num_slots, slot_nbytes, budget_nbytes."""
+        reads_in_flight, resident_entries, leased, num_slots, slot_nbytes, budget_nbytes,
+        verify_seconds (a float)."""
         ready = sum(e.ready for e in self._entries.values())
         n = self._n
         return {
@@ -645,6 +646,7 @@ class ExpertCache:
             "num_slots": self.pool.num_slots,
             "slot_nbytes": self.pool.slot_nbytes,
             "budget_nbytes": self.budget_nbytes,
+            "verify_seconds": self._verify_seconds,
         }
 
     def contains(self, layer: int, expert: int) -> bool:
