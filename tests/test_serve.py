@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import anthropic
 import httpx2 as httpx
@@ -369,3 +370,37 @@ def test_sigterm_drains_running_requests():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tools_reach_the_chat_template(tmp_path):
+    """A store whose chat template is Qwen3's (the demo's weights and vocabulary): the tools of
+    a request are rendered into the prompt, for OpenAI and Anthropic requests alike."""
+    import shutil
+
+    from tests import hf_models
+
+    template = Path(hf_models.SHARED) / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
+    if not template.exists():
+        pytest.skip(f"shared data missing: {template}")
+    store = tmp_path / "demo-qwen3-template"
+    shutil.copytree(DEMO, store)
+    (store / "chat_template.jinja").write_text(template.read_text())
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    with running_server(store=store) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+        plain = client.chat.completions.create(**kw)
+        with_tools = client.chat.completions.create(**kw, tools=[tool])
+        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+        none = client.chat.completions.create(**kw, tools=[tool], tool_choice="none")
+        assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+        ant = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+        msg = [{"role": "user", "content": CHAT[0]["content"]}]
+        a_plain = ant.messages.create(model=MODEL, max_tokens=2, messages=msg)
+        a_tools = ant.messages.create(
+            model=MODEL, max_tokens=2, messages=msg,
+            tools=[{"name": "get_weather", "input_schema": params}],
+        )  # fmt: skip
+        assert a_tools.usage.input_tokens == with_tools.usage.prompt_tokens
+        assert a_plain.usage.input_tokens == plain.usage.prompt_tokens

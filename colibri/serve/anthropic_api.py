@@ -85,7 +85,9 @@ def openai_tools(req: MessagesRequest) -> list[dict[str, Any]] | None:
     for i, t in enumerate(req.tools):
         if not isinstance(t.get("name"), str):
             raise APIError(400, f"tools.{i}.name: required", param=f"tools.{i}.name")
-        fn = {"name": t["name"], "description": t.get("description", "")}
+        fn = {"name": t["name"]}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
         fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
     return out
