@@ -404,3 +404,26 @@ def test_tools_reach_the_chat_template(tmp_path):
         )  # fmt: skip
         assert a_tools.usage.input_tokens == with_tools.usage.prompt_tokens
         assert a_plain.usage.input_tokens == plain.usage.prompt_tokens
+
+
+def test_a_corrupt_expert_record_ends_the_stream_with_an_error(tmp_path):
+    import shutil
+
+    store = tmp_path / "corrupt"
+    shutil.copytree(DEMO, store)
+    with open(store / "experts.bin", "r+b") as f:  # every record's bytes, not its checksum
+        size = f.seek(0, 2)
+        for off in range(100, size, 4096):
+            f.seek(off)
+            f.write(b"\xff" * 16)
+    with running_server(store=store) as srv:
+        body = {"model": MODEL, "prompt": "The for statement", "max_tokens": 5, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        err = json.loads(lines[-2][6:])["error"]
+        assert lines[-1] == "data: [DONE]" and err["type"] == "server_error"
+        assert "experts.bin" in err["message"] or "checksum" in err["message"].lower()
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert srv.health()["status"] == "ok"
+        assert srv.wait_idle()["leased"] == 0

@@ -227,4 +227,4 @@ async def messages(service: Service, request: Request, body: Any) -> Any:
             )  # fmt: skip
             yield _event("message_stop", {"type": "message_stop"})
 
-    return sse(events())
+    return sse(events(), anthropic=True)

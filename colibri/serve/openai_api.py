@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from colibri.engine import GenerationStatistics, Token
 from colibri.serve import tools as tool_parsing
-from colibri.serve.errors import APIError
+from colibri.serve.errors import APIError, error_body
 from colibri.serve.protocol import ChatCompletionRequest, CompletionRequest, parse
 from colibri.serve.service import Service
 
@@ -76,9 +76,27 @@ async def collect(
             await asyncio.gather(task, return_exceptions=True)
 
 
-def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    """An SSE response; starlette cancels `events` when the client disconnects."""
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse(events: AsyncIterator[str], anthropic: bool = False) -> StreamingResponse:
+    """An SSE response; starlette cancels `events` when the client disconnects. A failure
+    after the response has started (a read error, say) ends the stream with an error event
+    in the endpoint's style instead of a cut connection."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in events:
+                yield chunk
+        except Exception as exc:
+            err = (
+                exc if isinstance(exc, APIError) else APIError(500, f"{type(exc).__name__}: {exc}")
+            )
+            body = error_body(err, anthropic)
+            if anthropic:
+                yield f"event: error\ndata: {json.dumps(body)}\n\n"
+            else:
+                yield _data(body)
+                yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _data(obj: Any) -> str:

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from typing import Any
 
 from colibri.engine import Engine, Token
-from colibri.errors import ColibriError, SamplingError, TokenizerError
+from colibri.errors import ColibriError, ReadError, SamplingError, StoreError, TokenizerError
 from colibri.sampling import SamplingParams
 from colibri.serve.errors import APIError
 from colibri.serve.metrics import Metrics
@@ -159,6 +159,8 @@ class Service:
                             first, t_prev = False, now
                             m.generation_tokens.inc()
                         yield tok
+                except (StoreError, ReadError) as exc:  # the server's fault, not the request's
+                    raise APIError(500, str(exc)) from None
                 except ColibriError as exc:
                     raise APIError(400, str(exc)) from None
             m.prompt_tokens.inc(len(ids))
