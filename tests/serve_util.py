@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,10 @@ from typing import Any
 import httpx2 as httpx
 
 DEMO = Path(__file__).resolve().parents[1] / "colibri" / "data" / "demo"
+# ../shared/data beside the checkout, as tests/hf_models.py (without importing torch)
+SHARED = Path(
+    os.environ.get("COLIBRI_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
 
 
 def free_port() -> int:

@@ -4,16 +4,14 @@ back into the same OpenAI tool_calls (templates from ../shared/data/chat_templat
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from colibri.serve.tools import PARSERS, ToolStream, parser_for_template
 from colibri.tokenizer import _compile_template
-from tests import hf_models
+from tests.serve_util import SHARED
 
-TEMPLATES = Path(os.environ.get("COLIBRI_SHARED_DATA", hf_models.SHARED)) / "chat_templates"
+TEMPLATES = SHARED / "chat_templates"
 TOOLS = [
     {
         "type": "function",
