@@ -20,6 +20,7 @@ from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_eng
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
+CHAT_PREFIX_CACHE = 512 << 20  # bytes of prompt KV `colibri chat` keeps between turns
 
 
 def parse_size(text: str) -> int:
@@ -267,7 +268,9 @@ async def _chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     loop = asyncio.get_running_loop()
-    async with open_engine(_model_path(args), **_engine_options(args)) as engine:
+    # each turn resends the conversation: the prefix cache keeps the earlier turns' KV
+    options = {**_engine_options(args), "prefix_cache": CHAT_PREFIX_CACHE}
+    async with open_engine(_model_path(args), **options) as engine:
         _say_backend(engine, args.io)
         print(
             "colibri chat: empty line or Ctrl-D to quit, Ctrl-C stops an answer.", file=sys.stderr
