@@ -6,7 +6,9 @@
 
 open_engine() loads the dense weights (resident), sets up the reader, slab pool, expert cache
 and prefetcher, and the compute thread. Sequences (one KV cache each) are independent: several
-streams may run at once on one engine; they share the expert cache and the compute thread.
+streams may run at once on one engine, and its scheduler (colibri/scheduler.py) decodes them
+together, one batched forward pass a step, sharing expert reads; each stream's tokens are
+those it would get alone.
 """
 
 from __future__ import annotations
