@@ -63,6 +63,7 @@ class Pipeline:
         self.fused = getattr(model, "pad", 1) > 1
         self.tracer: Any = None  # a RoutingTraceWriter: every token's choice per layer
         self._traced = 0  # tokens recorded so far
+        self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
 
     def close(self) -> None:
@@ -135,6 +136,7 @@ class Pipeline:
             offsets = np.cumsum([0] + [len(x) for x in xs])
             xs = [stacked[a:b] for a, b in itertools.pairwise(offsets)]
         kvs = [kv for _, kv in batch]
+        records = 0  # expert records this step requested, over all layers
         for spec in m.spec.layers:
             i = spec.index
             if not spec.moe:  # a dense layer: one trip to the compute thread
@@ -151,6 +153,7 @@ class Pipeline:
                     t0 += len(ids)
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             self.cache.request(i, experts)  # misses go to disk now, as one batch
+            records += len(experts)
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
             await self._moe(i, xs if stacked is None else [stacked], routed, experts)
@@ -159,6 +162,7 @@ class Pipeline:
             kv.length = p + len(tokens)
             self._traced += len(tokens)
         self.times.steps += 1
+        self.last_step = (len(batch), records)
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
         return await self._run(self._logits, xs, want, stacked is not None)
 

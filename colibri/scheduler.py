@@ -10,6 +10,14 @@ position, the same cuts as when the sequence runs alone: with the pipeline's per
 kernel calls, a request's tokens do not depend on what else runs (batch invariance).
 New requests join between steps, up to `max_running` sequences; the rest wait in FIFO order.
 
+Expert-aware admission: when the expert cache cannot hold every expert, the batch is also
+kept small enough that its working set fits: the expert records a decode step requests per
+sequence are measured (an average over recent steps, so routing overlap between sequences
+counts), and a new sequence joins only while (running + 1) x that x 1.25 <= the cache's
+slots. Past that, LRU would evict each sequence's experts before its next token needs them
+(measured: 4 concurrent streams on a 1/4 budget fell from a 90% to an 8% hit rate and ran at
+half the aggregate speed of one stream).
+
 Cancellation (a consumer that stops reading, a client that disconnects): the sequence leaves
 the batch at the end of the current step and its KV cache is freed; when it is alone in the
 step, the step itself is cancelled at once (the pipeline releases every record it holds).
@@ -207,6 +215,21 @@ class Scheduler:
         self._step: asyncio.Task | None = None
         self._step_members: list[Generation] = []
         self._closing = False
+        # records a decode step requests per sequence: top-k per MoE layer until measured
+        spec = engine.spec
+        self.records_per_sequence = float(
+            spec.moe.router.top_k * sum(1 for layer in spec.layers if layer.moe)
+        )
+        c = engine.cache.counts()
+        self._slots = c["num_slots"]
+        self._all_fit = self._slots >= len(engine.store.records)
+
+    def capacity(self) -> int:
+        """Sequences the next step may hold (max_running, or fewer: expert-aware admission)."""
+        if self._all_fit:
+            return self.max_running
+        fit = int(self._slots / (1.25 * self.records_per_sequence))
+        return max(1, min(self.max_running, fit))
 
     def submit(self, gen: Generation) -> None:
         """Queue a generation; the scheduler task starts on first use."""
@@ -264,7 +287,7 @@ class Scheduler:
     async def _loop(self) -> None:
         while not self._closing:
             self._drop_finished()
-            while self.waiting and len(self.running) < self.max_running:
+            while self.waiting and len(self.running) < self.capacity():
                 gen = self.waiting.popleft()
                 gen.reuse_prefix()
                 self.running.append(gen)
@@ -296,6 +319,10 @@ class Scheduler:
                 step, self._step, self._step_members = self._step, None, []
             if step.cancelled():
                 continue  # its one member was cancelled; dropped at the top
+            n, records = self.engine.pipeline.last_step
+            if n and not any(len(t) > 1 for t in fed):  # decode steps only
+                per = records / n
+                self.records_per_sequence = 0.7 * self.records_per_sequence + 0.3 * per
             if step.exception() is not None:
                 for gen in members:
                     gen.fail(step.exception())

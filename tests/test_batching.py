@@ -190,3 +190,30 @@ def test_prefix_cache_budget_evicts_oldest_blocks():
         EngineOptions(max_running=0)
     with pytest.raises(ColibriError, match="batch"):
         EngineOptions(batch="stacked")
+
+
+async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
+    from colibri.io.format import open_store
+
+    rec = open_store(DEMO).layout.record_nbytes
+    # 10 slots for 32 experts; one sequence asks top-2 x 4 layers = 8 records a step
+    async with open_engine(DEMO, io="threads", budget=10 * rec, max_running=8) as eng:
+        assert eng.scheduler.capacity() == 1
+        solo = [(await _run(eng, p, max_tokens=12, temperature=0))[0] for p in PROMPTS[:3]]
+        seen = []
+
+        async def watch():
+            while True:
+                st = eng.statistics(components=False)
+                seen.append((st.running, st.waiting))
+                await asyncio.sleep(0.002)
+
+        w = asyncio.ensure_future(watch())
+        together = await asyncio.gather(
+            *(_run(eng, p, max_tokens=12, temperature=0) for p in PROMPTS[:3])
+        )
+        w.cancel()
+        assert [t[0] for t in together] == solo
+        assert max(r for r, _ in seen) == 1 and max(q for _, q in seen) >= 1
+    async with open_engine(DEMO, io="threads", max_running=8) as eng:  # every expert fits
+        assert eng.scheduler.capacity() == 8
