@@ -168,24 +168,22 @@ class DecodeFigures:
         return d
 
 
-def _snapshot(eng: Any) -> tuple[float, float, Any]:
-    t = eng.pipeline.times
-    return t.wait_io, t.compute, eng.cache.statistics()
+def _snapshot(eng: Any) -> Any:
+    return eng.statistics(components=False)  # EngineStatistics
 
 
-def _phase(eng: Any, s0: tuple[float, float, Any], tokens: int, seconds: float) -> Phase:
-    w1, c1, k1 = _snapshot(eng)
-    w0, c0, k0 = s0
+def _phase(eng: Any, s0: Any, tokens: int, seconds: float) -> Phase:
+    d = _snapshot(eng).delta(s0)
     return Phase(
         tokens=tokens,
         seconds=seconds,
-        wait_io=w1 - w0,
-        compute=c1 - c0,
-        verify=k1.verify_seconds - k0.verify_seconds,
-        bytes_read=k1.bytes_read - k0.bytes_read,
-        reads=k1.reads - k0.reads,
-        hits=k1.hits - k0.hits,
-        misses=k1.misses - k0.misses,
+        wait_io=d.wait_io_seconds,
+        compute=d.compute_seconds,
+        verify=d.verify_seconds,
+        bytes_read=d.bytes_read,
+        reads=d.reads,
+        hits=d.expert_hits,
+        misses=d.expert_misses,
     )
 
 

@@ -19,9 +19,22 @@ from colibri.io.format import Store
 from colibri.models.spec import LayerSpec, ModelSpec
 
 
+def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
+    """x [n, ...] with zero rows appended up to a multiple of `multiple` rows (x itself when
+    n already is one). The kernels compute every row the same way whenever the row count is
+    a multiple of 4 (tests/test_batching.py), which makes padded calls batch-invariant."""
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return np.concatenate([x, np.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
+
+
 class Linear:
     """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
-    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0."""
+    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0.
+    pad: run the kernel on x padded with zero rows to a multiple of `pad` rows (1: never)."""
+
+    pad = 1
 
     def __init__(
         self,
@@ -43,6 +56,12 @@ class Linear:
         self, x: np.ndarray, out: np.ndarray | None = None, nthreads: int = 0
     ) -> np.ndarray:
         """x f32 [n, cols] -> f32 [n, rows] (written into out when given)."""
+        if self.pad > 1 and x.shape[0] % self.pad:
+            y = self(pad_rows(x, self.pad), nthreads=nthreads)[: x.shape[0]]
+            if out is None:
+                return y
+            out[...] = y
+            return out
         if out is None:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
         if self.act_q8:
@@ -108,12 +127,21 @@ class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
     activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
-    ops.matmul_q8; float weights stay f32) or "f32" (exact).
+    ops.matmul_q8; float weights stay f32) or "f32" (exact). pad: every matmul and expert FFN
+    runs on rows padded to a multiple of `pad` (4: each row's result is the same in any batch;
+    1: no padding, fastest alone).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
-    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0, activations: str = "q8_0"):
-        self.store, self.spec, self.nthreads = store, spec, nthreads
+    def __init__(
+        self,
+        store: Store,
+        spec: ModelSpec,
+        nthreads: int = 0,
+        activations: str = "q8_0",
+        pad: int = 1,
+    ):
+        self.store, self.spec, self.nthreads, self.pad = store, spec, nthreads, pad
         if activations not in ("f32", "q8_0"):
             raise ValueError(f"activations={activations!r}: must be f32 or q8_0")
         self.act_q8 = activations == "q8_0"
@@ -157,7 +185,9 @@ class Model:
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
         w, qtype = self._raw(f"{prefix}.weight", (rows, cols))
         bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
-        return Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
+        lin = Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
+        lin.pad = self.pad
+        return lin
 
     def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
         """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] is kept absorbed, f32:
@@ -368,11 +398,13 @@ class Model:
         """out += the dense part of layer i's FFN: a dense MLP, or the shared expert
         (times sigmoid(shared_expert_gate(h)) when the family has that gate)."""
         w = self.layers[i]
+        n = h.shape[0]
+        h = pad_rows(h, self.pad)
         for kind in ("mlp", "shared"):
             if kind not in w:
                 continue
             gate, up, down = w[kind]
-            y = np.zeros_like(out)
+            y = np.zeros_like(h)
             ops.expert_ffn(
                 y,
                 h,
@@ -390,7 +422,7 @@ class Model:
             if "shared_expert_gate" in w and kind == "shared":
                 g = w["shared_expert_gate"](h)
                 y *= 1.0 / (1.0 + np.exp(-g))
-            out += y
+            out += y[:n]
 
     def expert_ffn(
         self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
@@ -403,7 +435,11 @@ class Model:
         m = self.spec.moe
         part = {name: record[o : o + nb] for name, (o, nb) in self._record.items()}
         x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
-        y = np.empty((len(rows), self.spec.d_model), dtype=np.float32)
+        m_rows = len(rows)
+        if m_rows % self.pad:
+            x = pad_rows(np.ascontiguousarray(x), self.pad)
+            weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
+        y = np.empty((x.shape[0], self.spec.d_model), dtype=np.float32)
         bias = {
             n: part[n].view(np.float32) if n in part else None
             for n in ("gate_bias", "up_bias", "down_bias")
@@ -428,7 +464,7 @@ class Model:
             act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
             nthreads=self.nthreads,
         )
-        return y
+        return y[:m_rows]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size]."""

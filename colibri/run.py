@@ -22,6 +22,7 @@ from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
+CHAT_PREFIX_CACHE = 512 << 20  # bytes of prompt KV `colibri chat` keeps between turns
 
 
 def parse_size(text: str) -> int:
@@ -95,6 +96,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         choices=("f32", "f16"),
         default="f32",
         help="KV cache precision (default f32)",
+    )
+    g.add_argument(
+        "--batch",
+        choices=("split", "fused"),
+        default="split",
+        help="how concurrent sequences meet the kernels: split (default; per-sequence calls, "
+        "the tokens of a solo run) or fused (rows stacked and padded to 4: one weight pass "
+        "for all, tokens independent of the batch but not bit-equal to split's)",
     )
     g.add_argument(
         "--activations",
@@ -192,6 +201,7 @@ ENGINE_OPTIONS = (
     "kv_dtype",
     "activations",
     "trace",
+    "batch",
 )
 SAMPLING_OPTIONS = (
     "max_tokens",
@@ -358,7 +368,9 @@ async def _chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     loop = asyncio.get_running_loop()
+    # each turn resends the conversation: the prefix cache keeps the earlier turns' KV
     opts, profile = engine_options(args, _model_path(args))
+    opts = {**opts, "prefix_cache": CHAT_PREFIX_CACHE}
     async with open_engine(_model_path(args), **opts) as engine:
         _say_backend(engine, args.io)
         session = None

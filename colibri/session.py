@@ -135,7 +135,7 @@ class Session:
                 break
             logits = await eng.forward(self.seq, [s.token_id])
         tail = ""
-        if finish != "stop" and decoder is not None:
+        if not stops.stopped and decoder is not None:  # held-back text ends EOS/length too
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()

@@ -670,16 +670,18 @@ class StopChecker:
         self.stop = tuple(stop)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Add streamed text; return (text to emit, whether a stop string was reached)."""
         if self.stopped:
             return "", True
         buf = self._held + delta
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.stopped, self._held = True, ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = 0
         for s in self.stop:  # longest suffix of buf that is a proper prefix of a stop string
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

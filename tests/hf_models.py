@@ -7,6 +7,7 @@ routing tie, so tests can skip prompts whose expert choice is numerically ambigu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,10 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     return min([*gaps, float((top2[:, 0] - top2[:, 1]).min())])
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout; COLIBRI_SHARED_DATA overrides (a git worktree elsewhere)
+SHARED = Path(
+    os.environ.get("COLIBRI_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
 OLMOE_TOKENIZER = SHARED / "tokenizers" / "olmoe" / "allenai_gpt-neox-olmo-dolma-v1_5.json"
 
 

@@ -31,9 +31,7 @@ import xxhash
 
 from colibri.io.cache import ExpertCache, make_policy
 from colibri.io.format import ExpertRecord
-from colibri.io.prefetch import Prefetcher
-from colibri.io.reader import open_reader
-from colibri.io.slab import SlabPool
+from colibri.io.stack import open_expert_cache
 from colibri.io.trace import RoutingTrace, TraceError, load_mixtral_jsonl
 
 Step = tuple[int, int, list[int]]  # (token, layer, experts)
@@ -217,12 +215,11 @@ async def replay(
             f"bytes; the minimum is top-k = {trace.top_k} records "
             f"({trace.top_k * ((nbytes + 4095) // 4096 * 4096)} bytes)"
         )
-    pool = SlabPool(nbytes, num_slots)
-    reader = open_reader(store.experts_path, io, pool=pool, queue_depth=queue_depth)
-    cache = ExpertCache(
-        store, reader, budget_nbytes, policy=policy, verify=verify, min_slots=trace.top_k
-    )
-    pf = Prefetcher(cache) if prefetch != "none" else None
+    stack = open_expert_cache(
+        store, budget_nbytes, io=io, policy=policy, queue_depth=queue_depth, verify=verify,
+        prefetch=prefetch != "none", min_slots=trace.top_k,
+    )  # fmt: skip
+    pool, reader, cache, pf = stack.pool, stack.reader, stack.cache, stack.prefetcher
     ex = trace.experts
     num_tokens = trace.num_tokens if max_tokens is None else min(max_tokens, trace.num_tokens)
     if not 0 <= warmup_tokens < num_tokens:
@@ -251,8 +248,7 @@ async def replay(
         seconds = time.perf_counter() - t0
         cstats = cache.statistics()
     finally:
-        await cache.aclose()
-        await reader.aclose()
+        await stack.aclose()
     hits, misses, nread = cstats.hits, cstats.misses, cstats.bytes_read
     if base is not None:
         hits, misses, nread = hits - base.hits, misses - base.misses, nread - base.bytes_read
@@ -269,7 +265,7 @@ async def replay(
         pf.statistics() if pf else None,
         pool.statistics(),
     )
-    pool.close()
+    stack.close_pool()
     return result
 
 
