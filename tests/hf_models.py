@@ -48,15 +48,16 @@ def config(case: str, **overrides: Any) -> Any:
 
 def build(model_type: str, seed: int = 0) -> Any:
     """A tiny random *ForCausalLM of test case `model_type` (a CASES name) in f32 eval
-    mode, norms and biases perturbed; DeepSeek/GLM `e_score_correction_bias` (0 by default)
-    and gpt-oss attention sinks are randomised too."""
+    mode, norms (around their init) and biases perturbed; DeepSeek/GLM
+    `e_score_correction_bias` (0 by default) and gpt-oss attention sinks are randomised too."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config(model_type)).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                # around the init: 1, or 0 for zero-centred (1 + w) norms (Qwen3-Next)
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("sinks"):
