@@ -261,3 +261,27 @@ async def test_placement_does_not_change_results(hybrid):
         )
         assert got[0] == base[0], (io, budget, prefetch, threads)
         np.testing.assert_array_equal(got[1], base[1])
+
+
+def test_qwen3_5_converter_keeps_the_language_model(tmp_path, capsys):
+    """A Qwen3.5 checkpoint (vision tower, language model under model.language_model., MTP
+    head) converts to its language model only, saying what it dropped."""
+    from safetensors.numpy import load_file, save_file
+
+    from colibri.io.format import open_store
+    from colibri.models.spec import dense_tensors
+    from colibri.registry import model_spec
+
+    src = hf_models.save(hf_models.build("qwen3_5_moe", seed=1), tmp_path / "hf")
+    tensors = load_file(src / "model.safetensors")
+    tensors["mtp.fc.weight"] = np.ones((4, 4), np.float32)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    store = open_store(convert(src, tmp_path / "store", quant="f32", dense_quant="f32"))
+    err = capsys.readouterr().err
+    assert "kept the language model only" in err
+    assert "model.visual.* (" in err and "mtp.fc.* (1)" in err
+    spec = model_spec(store.config)
+    assert set(store.dense_names()) == set(dense_tensors(spec))
+    assert all(layer.moe for layer in spec.layers)
+    kinds = [layer.linear_attn is not None for layer in spec.layers]
+    assert kinds == [t == "linear_attention" for t in store.config["text_config"]["layer_types"]]
