@@ -189,9 +189,11 @@ def hybrid(request, tmp_path_factory):
     return case, model, f32, q4, ids.tolist()
 
 
-async def _run(store, ids, n, prefill_chunk, **options):
-    """Greedy tokens and the logits before each, prefilling in chunks of prefill_chunk."""
+async def _run(store, ids, n, prefill_chunk, chunked=False, **options):
+    """Greedy tokens and the logits before each, prefilling in chunks of prefill_chunk (with
+    the chunked form of the delta rule for chunks of >= GDR_CHUNK tokens if `chunked`)."""
     async with open_engine(store, **options) as engine:
+        engine.model.gdr_chunked = chunked
         seq = engine.new_sequence()
         for a in range(0, len(ids), prefill_chunk):
             logits = await engine.forward(seq, ids[a : a + prefill_chunk])
@@ -205,19 +207,19 @@ async def _run(store, ids, n, prefill_chunk, **options):
 
 
 async def test_state_carries_across_prefill_chunks_and_into_decode(hybrid):
-    """A 150-token prompt prefilled in chunks of 70 (chunked form, 70 >= GDR_CHUNK), 40
-    (recurrent kernel) and 256 (one go), then decoded: logits within 1e-4 of transformers on
-    the whole sequence at every step, and the same greedy tokens."""
+    """A 150-token prompt prefilled in chunks of 70, 40 and 256 (one go), with the recurrent
+    kernel and with the chunked form (70, 256 >= GDR_CHUNK), then decoded: logits within 1e-4
+    of transformers on the whole sequence at every step, and the same greedy tokens."""
     case, model, f32, _q4, ids = hybrid
     assert 40 < GDR_CHUNK <= 70
     expected = hf_models.greedy(model, ids, NEW_TOKENS)
     ref_logits = hf_models.reference_logits(model, ids + expected)[PROMPT_LEN - 1 : -1]
     scale = np.abs(ref_logits).max()
-    for chunk in (70, 40, 256):
-        tokens, logits = await _run(f32, ids, NEW_TOKENS, chunk)
-        assert tokens == expected, (case, chunk)
+    for chunk, chunked in itertools.product((70, 40, 256), (False, True)):
+        tokens, logits = await _run(f32, ids, NEW_TOKENS, chunk, chunked)
+        assert tokens == expected, (case, chunk, chunked)
         err = np.abs(logits - ref_logits).max()
-        assert err <= 1e-4 * scale, (case, chunk, err, scale)
+        assert err <= 1e-4 * scale, (case, chunk, chunked, err, scale)
 
 
 async def test_state_is_per_sequence(hybrid):
@@ -285,3 +287,40 @@ def test_qwen3_5_converter_keeps_the_language_model(tmp_path, capsys):
     assert all(layer.moe for layer in spec.layers)
     kinds = [layer.linear_attn is not None for layer in spec.layers]
     assert kinds == [t == "linear_attention" for t in store.config["text_config"]["layer_types"]]
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
+def test_real_shapes_are_the_checkpoints(name):
+    """tools/synth_store.py's real Qwen3-Next-80B-A3B / Qwen3.5-397B-A17B configs: the spec's
+    dense tensors are what transformers builds from them (language model part, hub names),
+    the layer kinds follow layer_types (15 x [3 DeltaNet + 1 attention] for Qwen3.5), and
+    the routed experts' count, top-k and size match."""
+    import sys
+    from pathlib import Path
+
+    from colibri import registry
+    from colibri.models.spec import dense_tensors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from synth_store import MODELS
+
+    cfg = MODELS[name]
+    fam = registry.family(cfg["model_type"])
+    hf = hf_models.transformers.AutoConfig.for_model(**cfg)
+    text = hf.get_text_config()
+    with torch.device("meta"):
+        model = hf_models.transformers.AutoModelForCausalLM.from_config(text)
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items() if ".experts." not in n}
+    spec = registry.model_spec(cfg)
+    assert dense_tensors(spec) == want
+    assert [la.linear_attn is not None for la in spec.layers] == [
+        t == "linear_attention" for t in text.layer_types
+    ]
+    r = spec.moe.router
+    assert (r.num_experts, r.top_k, spec.moe.d_ff) == (
+        text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size,
+    )  # fmt: skip
+    if fam.text_model_type:
+        assert sum(t == "full_attention" for t in text.layer_types) == 15
+    a = next(la.attention for la in spec.layers if la.linear_attn is None)
+    assert a.rot_dim == 64 and a.output_gate
