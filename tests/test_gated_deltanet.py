@@ -324,3 +324,25 @@ def test_real_shapes_are_the_checkpoints(name):
         assert sum(t == "full_attention" for t in text.layer_types) == 15
     a = next(la.attention for la in spec.layers if la.linear_attn is None)
     assert a.rot_dim == 64 and a.output_gate
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("interval", [2, 4])
+def test_layer_kinds_from_full_attention_interval(model_type, interval):
+    """Without layer_types, every full_attention_interval-th layer is full attention, as the
+    transformers config computes it; a bad layer_types is refused naming the field."""
+    from colibri import registry
+
+    fam = registry.family(model_type)
+    given = {"num_hidden_layers": 6, "full_attention_interval": interval}
+    hf = hf_models.transformers.AutoConfig.for_model(fam.text_model_type or model_type, **given)
+    spec = registry.model_spec({"model_type": model_type, **given})
+    assert [la.linear_attn is None for la in spec.layers] == [
+        t == "full_attention" for t in hf.layer_types
+    ]
+    from colibri.errors import StoreError
+
+    with pytest.raises(StoreError, match="layer_types must list 2"):
+        registry.model_spec(
+            {"model_type": model_type, "num_hidden_layers": 2, "layer_types": ["x", "y"]}
+        )
