@@ -183,7 +183,7 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
     torch.manual_seed(seed)
     cfg = config(model_type, vocab_size=50304)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model = auto_class(model_type).from_config(cfg).float().eval()
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
     template = (
