@@ -44,6 +44,9 @@ def config(case: str, **overrides: Any) -> Any:
     """The transformers config of test case `case` (COMMON + its overrides + `overrides`)."""
     model_type, extra = CASES[case]
     kw = {**COMMON, **extra, **overrides}
+    n, types = kw.get("num_hidden_layers"), kw.get("layer_types")
+    if types is not None and len(types) != n:  # the depth was overridden: repeat the pattern
+        kw["layer_types"] = [types[i % len(types)] for i in range(n)]
     if registry.family(model_type).text_model_type is not None:
         # multimodal: the language model under text_config, the case's tiny vision tower
         vision = kw.pop("vision_config", None)
