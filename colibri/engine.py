@@ -239,11 +239,33 @@ class Sequence:
         """Rewind to the first `length` tokens: the KV cache keeps their keys/values (later
         positions are overwritten by the next forward), so several continuations can each
         follow one shared prefix computed once. Raises ColibriError unless
-        0 <= length <= self.length."""
+        0 <= length <= self.length, and on a hybrid (Gated DeltaNet) model, whose recurrent
+        state summarises every token, unless length is 0 or the current length: use
+        snapshot() / restore() there."""
         if not 0 <= length <= self.kv.length:
             raise ColibriError(f"cannot truncate a {self.kv.length}-token sequence to {length}")
+        if self.kv.recurrent_state and 0 < length < self.kv.length:
+            raise ColibriError(
+                "a hybrid model's recurrent state cannot be cut back to a shorter prefix; "
+                "take Sequence.snapshot() there and restore() it"
+            )
+        if length == 0 and self.kv.recurrent_state:
+            for a in self.kv.conv + self.kv.recurrent:
+                if a is not None:
+                    a[...] = 0
         self.kv.length = length
         del self.tokens[length:]
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The sequence now, to restore() later: its length, and a copy of the recurrent
+        state on hybrid models (keys and values are positional and are kept in place)."""
+        return (len(self.tokens), self.kv.snapshot())
+
+    def restore(self, snap: tuple[Any, ...]) -> None:
+        """Return to a snapshot() taken on this sequence at a length <= the current one."""
+        n, kv = snap
+        self.kv.restore(kv)
+        del self.tokens[n:]
 
 
 class Engine:

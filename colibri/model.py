@@ -100,6 +100,27 @@ class KVCache:
     conv: list[np.ndarray | None] = field(default_factory=list)
     recurrent: list[np.ndarray | None] = field(default_factory=list)
 
+    @property
+    def recurrent_state(self) -> bool:
+        """Whether the cache holds Gated DeltaNet state, which cannot be cut back."""
+        return any(c is not None for c in self.conv)
+
+    def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
+        """(length, copies of the conv / recurrent state): what restore() needs to return
+        here later (keys and values before `length` are never overwritten by later tokens)."""
+        copy = [None if a is None else a.copy() for a in self.conv]
+        return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
+
+    def restore(self, snap: tuple[int, list[np.ndarray | None], list[np.ndarray | None]]) -> None:
+        """Return to a snapshot() of this cache taken at a length <= the current one."""
+        length, conv, recurrent = snap
+        if length > self.length:
+            raise ValueError(f"snapshot at {length} tokens is past the cache's {self.length}")
+        for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
+            if dst is not None:
+                dst[...] = src
+        self.length = length
+
     @staticmethod
     def nbytes_for(spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> int:
         """Bytes `allocate(spec, n_ctx, dtype)` would take (computed, nothing allocated)."""

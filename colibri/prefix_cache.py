@@ -64,6 +64,8 @@ class PrefixCache:
         compute) into the empty KV cache `kv`; return its length in tokens (0: none)."""
         if kv.length != 0:
             raise ValueError("lookup needs an empty KV cache")
+        if kv.recurrent_state:  # a hybrid model's state is not per position: nothing to reuse
+            return 0
         bs = self.block_size
         n = (len(ids) - 1) // bs
         matched = []
@@ -85,6 +87,8 @@ class PrefixCache:
 
     def store(self, ids: Sequence[int], kv: KVCache) -> None:
         """Keep the full blocks of `ids`, whose KV is in kv's first len(ids) positions."""
+        if kv.recurrent_state:
+            return
         bs = self.block_size
         n = min(len(ids), kv.length) // bs
         for b, key in enumerate(self._keys(ids, n)):

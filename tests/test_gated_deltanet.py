@@ -6,6 +6,7 @@ decode, kept per sequence in the KV cache, and independent of placement."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 from colibri.compute import deltanet, ops, ref
 from colibri.convert import convert
 from colibri.engine import open_engine
-from colibri.errors import KernelError
+from colibri.errors import ColibriError, KernelError
+from colibri.eval import continuation_logprobs
 from colibri.model import GDR_CHUNK
 from tests import hf_models
 
@@ -346,3 +348,77 @@ def test_layer_kinds_from_full_attention_interval(model_type, interval):
         registry.model_spec(
             {"model_type": model_type, "num_hidden_layers": 2, "layer_types": ["x", "y"]}
         )
+
+
+# ---- the per-sequence state under the engine's other users ----------------------------------
+
+
+async def _stream(engine, ids, n=4):
+    return [
+        t.token_id
+        async for t in engine.stream(ids, max_tokens=n, temperature=0)
+        if t.token_id is not None
+    ]
+
+
+async def test_prefix_cache_and_batching_keep_the_state(hybrid):
+    """With the prefix cache on, a prompt seen before and concurrent streams still give
+    transformers' greedy tokens: a hybrid model's state is not per position, so the prefix
+    cache reuses nothing for it, and batched sequences each keep their own state."""
+    case, model, f32, _q4, ids = hybrid
+    a, b = ids[:100], ids[:90] + ids[120:130]  # b shares a's first 90 tokens
+    want = [hf_models.greedy(model, p, 4) for p in (a, b)]
+    async with open_engine(f32, prefix_cache=8 << 20, max_running=4) as engine:
+        assert [await _stream(engine, p) for p in (a, b, a)] == [*want, want[0]], case
+        assert await asyncio.gather(*(_stream(engine, p) for p in (a, b))) == want, case
+        assert engine.prefix_cache.hit_tokens == 0
+
+
+async def test_eval_choices_restore_the_state(hybrid):
+    """colibri eval feeds a shared context once and every choice continues from it: on a
+    hybrid model each choice's log-probabilities equal transformers' on context + choice."""
+    case, model, f32, _q4, ids = hybrid
+    ctx, choices = ids[:40], [ids[40:47], ids[60:64], ids[80:89]]
+    async with open_engine(f32) as engine:
+        got = await continuation_logprobs(engine, ctx, choices)
+    for c, lp in zip(choices, got, strict=True):
+        logits = torch.log_softmax(torch.from_numpy(hf_models.reference_logits(model, ctx + c)), -1)
+        want = logits[len(ctx) - 1 : -1].numpy()[np.arange(len(c)), c]
+        np.testing.assert_allclose(lp, want, atol=1e-4, err_msg=case)
+
+
+async def test_truncate_refuses_to_cut_the_state(hybrid):
+    _case, _model, f32, _q4, ids = hybrid
+    async with open_engine(f32) as engine:
+        seq = engine.new_sequence()
+        await engine.forward(seq, ids[:20])
+        with pytest.raises(ColibriError, match="recurrent state cannot be cut back"):
+            seq.truncate(10)
+        seq.truncate(0)  # starting over is fine: the state is zeroed
+        assert seq.length == 0 and not any(r.any() for r in seq.kv.recurrent if r is not None)
+
+
+async def test_session_reopens_with_the_state(hybrid, tmp_path):
+    """A hybrid model's session keeps the conv / recurrent state: a conversation reopened
+    from its file answers the next turn exactly as the uninterrupted one and as a fresh
+    prefill of the whole conversation."""
+    case, _model, f32, _q4, ids = hybrid
+    turn1 = ids[:50]
+
+    async def answer(session, prompt):
+        return [
+            t.token_id
+            async for t in session.stream(prompt, max_tokens=4, temperature=0)
+            if t.token_id is not None
+        ]
+
+    async with open_engine(f32) as engine:
+        s = engine.new_session()
+        a1 = await answer(s, turn1)
+        engine.save_session(tmp_path / "s.session", s)
+        turn2 = turn1 + a1 + ids[50:60]
+        uninterrupted = await answer(s, turn2)
+        fresh = await _stream(engine, turn2)
+    async with open_engine(f32) as engine:
+        reopened = await answer(engine.load_session(tmp_path / "s.session"), turn2)
+    assert reopened == uninterrupted == fresh, case
