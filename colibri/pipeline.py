@@ -96,16 +96,15 @@ class Pipeline:
                 f"context length exceeded: {pos0 + n} tokens > n_ctx {kv.n_ctx} "
                 "(raise it with --ctx / n_ctx=)"
             )
-        m = self.model
         if self.prefetcher is not None:
             self.prefetcher.new_token()
-        x = await self._run(m.embed, np.asarray(tokens, dtype=np.int64))
-        for spec in m.spec.layers:
-            i = spec.index
-            if not spec.moe:  # a dense layer: one trip to the compute thread
-                await self._run(self._dense_layer, i, x, kv, pos0)
-                continue
-            h, ids, weights, predicted = await self._run(self._attention_and_route, i, x, kv, pos0)
+        x = np.empty((n, self.model.spec.d_model), dtype=np.float32)
+        tok = np.asarray(tokens, dtype=np.int64)
+        # one trip to the compute thread per layer when its records are ready: each trip ends
+        # with the next layer's attention and routing (or the logits after the last layer)
+        state = await self._run(self._embed_and_head, tok, x, kv, pos0)
+        while not isinstance(state, np.ndarray):
+            i, h, ids, weights, predicted = state
             if self.tracer is not None:
                 for t in range(n):
                     self.tracer.record(self._traced + t, i, ids[t].tolist(), weights[t].tolist())
@@ -113,11 +112,27 @@ class Pipeline:
             self.cache.request(i, experts)  # misses go to disk now, as one batch
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
-            await self._moe(i, x, h, ids, weights, experts)
+            state = await self._moe(i, x, h, ids, weights, experts, kv, pos0)
             self.times.layers += 1
         kv.length = pos0 + n
         self._traced += n
-        return (await self._run(m.logits, x[-1:]))[0]
+        return state
+
+    def _embed_and_head(self, tokens: np.ndarray, x: np.ndarray, kv: KVCache, pos0: int) -> Any:
+        """The first trip: the embedding into x, then _head from layer 0."""
+        x[...] = self.model.embed(tokens)
+        return self._head(0, x, kv, pos0)
+
+    def _head(self, start: int, x: np.ndarray, kv: KVCache, pos0: int) -> Any:
+        """Layers from `start` up to the next MoE layer: dense layers whole, then the MoE
+        layer's attention and routing. Returns _attention_and_route's (i, h, ids, weights,
+        predicted), or the logits of the last token (f32 [vocab_size]) after the last layer."""
+        m = self.model
+        for spec in m.spec.layers[start:]:
+            if spec.moe:
+                return (spec.index, *self._attention_and_route(spec.index, x, kv, pos0))
+            self._dense_layer(spec.index, x, kv, pos0)
+        return m.logits(x[-1:])[0]
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
         m = self.model
@@ -130,7 +145,7 @@ class Pipeline:
         self, i: int, x: np.ndarray, kv: KVCache, pos0: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, list[int]] | None]:
         """Attention, FFN input, routing of MoE layer i and the prediction for the next MoE
-        layer (one trip to the compute thread)."""
+        layer."""
         m = self.model
         m.attention(i, x, kv, pos0)
         h = m.post_norm(i, x)
@@ -153,13 +168,17 @@ class Pipeline:
         ids: np.ndarray,
         weights: np.ndarray,
         experts: list[int],
-    ) -> None:
-        """x += shared expert (if any) + sum of the routed experts' weighted outputs.
+        kv: KVCache,
+        pos0: int,
+    ) -> Any:
+        """x += shared expert (if any) + sum of the routed experts' weighted outputs, then
+        _head(i + 1): returns what it returns.
 
         Records already in the cache are computed in the first trip to the compute thread,
         together with the shared expert, while the misses are read; each later trip takes
         every record that has arrived. Each expert writes its own slot of `slots`
-        (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
+        (f32 [n, k, d_model]) and the last trip adds them to x in slot order and goes on
+        with the next layers (so with every record ready a layer is one trip).
         """
         slots = np.zeros((*ids.shape, h.shape[1]), dtype=np.float32)
         hits = [e for e in experts if self.cache.contains(i, e)]
@@ -189,14 +208,16 @@ class Pipeline:
                         raise error
                 batch, ready = ready, []
                 try:
-                    await self._run(
-                        self._expert_step, i, batch, x, h, ids, weights, slots, first, not pending
+                    nxt = (i + 1, kv, pos0) if not pending else None
+                    result = await self._run(
+                        self._expert_step, i, batch, x, h, ids, weights, slots, first, nxt
                     )
                     self.times.experts += len(batch)
                 finally:
                     for _, lease in batch:
                         lease.release()
                 first = False
+            return result
         finally:
             # on error or cancellation: stop the other reads, collect their outcome (so no
             # exception goes unretrieved) and release what they hold
@@ -219,10 +240,11 @@ class Pipeline:
         weights: np.ndarray,
         slots: np.ndarray,
         first: bool,
-        last: bool,
-    ) -> None:
+        nxt: tuple[int, KVCache, int] | None,
+    ) -> Any:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
-        ((expert, lease) pairs) on their tokens, and (last trip) the residual sum."""
+        ((expert, lease) pairs) on their tokens, and on the last trip (nxt = (next layer,
+        kv, pos0)) the residual sum and _head(next layer), whose result it returns."""
         if first:
             out = np.zeros_like(x)
             self.model.dense_ffn(i, h, out)
@@ -230,6 +252,8 @@ class Pipeline:
         for e, lease in batch:
             tok, slot = np.nonzero(ids == e)
             slots[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
-        if last:
-            for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
-                x += slots[:, j]
+        if nxt is None:
+            return None
+        for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
+            x += slots[:, j]
+        return self._head(nxt[0], x, nxt[1], nxt[2])
