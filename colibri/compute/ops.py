@@ -402,6 +402,17 @@ def expert_ffn(
     return out
 
 
+def mem_read(buf: Buffer, nthreads: int = 0) -> int:
+    """Read every byte of `buf` (any C-contiguous buffer) once with vector loads on nthreads
+    threads (<= 0: default_threads()), GIL released; returns the XOR of its 64-bit words
+    (little-endian; a tail of < 8 bytes XORed in bytewise), which makes the reads observable.
+    Time it for the streaming read bandwidth (bench/, DESIGN.md §8)."""
+    nbytes = _nbytes(buf, "mem_read: buf")
+    out = ffi.new("uint64_t *")
+    _check(lib.clb_mem_read(out, ffi.from_buffer(buf), nbytes, nthreads), "mem_read")
+    return int(out[0])
+
+
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 
