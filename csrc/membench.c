@@ -37,7 +37,8 @@ __attribute__((target("avx512f"))) static uint64_t rd_avx512(const uint8_t *p, i
         a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
     }
     uint64_t t[8], s = 0;
-    _mm512_storeu_si512((void *)t, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+    _mm512_storeu_si512((void *)t,
+                        _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
     for (int k = 0; k < 8; k++) s ^= t[k];
     return s ^ rd_ref(p + i, n - i);
 }
@@ -52,7 +53,8 @@ __attribute__((target("avx2"))) static uint64_t rd_avx2(const uint8_t *p, int64_
         a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
     }
     uint64_t t[4], s = 0;
-    _mm256_storeu_si256((__m256i *)t, _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+    _mm256_storeu_si256((__m256i *)t,
+                        _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
     for (int k = 0; k < 4; k++) s ^= t[k];
     return s ^ rd_ref(p + i, n - i);
 }
@@ -73,7 +75,8 @@ static void rd_chunk(void *ctx, int64_t c) {
 int clb_mem_read(uint64_t *xor_out, const void *buf, int64_t nbytes, int nthreads) {
     if (!xor_out || (!buf && nbytes) || nbytes < 0) return CLB_EINVAL;
     const int isa = clb_isa_get();
-    struct rd_job j = {buf, nbytes, isa == CLB_ISA_AVX512 ? rd_avx512 : isa == CLB_ISA_AVX2 ? rd_avx2 : rd_ref, 0};
+    struct rd_job j = {buf, nbytes,
+                       isa == CLB_ISA_AVX512 ? rd_avx512 : isa == CLB_ISA_AVX2 ? rd_avx2 : rd_ref, 0};
     clb_parallel_for((nbytes + CLB_RD_CHUNK - 1) / CLB_RD_CHUNK, rd_chunk, &j, nthreads);
     *xor_out = atomic_load(&j.sum);
     return CLB_OK;
