@@ -72,12 +72,12 @@ static void rd_chunk(void *ctx, int64_t c) {
     atomic_fetch_xor_explicit(&j->sum, j->fn(j->p + o, len), memory_order_relaxed);
 }
 
-int clb_mem_read(uint64_t *xor_out, const void *buf, int64_t nbytes, int nthreads) {
+int clb_mem_read(int64_t *xor_out, const void *buf, int64_t nbytes, int nthreads) {
     if (!xor_out || (!buf && nbytes) || nbytes < 0) return CLB_EINVAL;
     const int isa = clb_isa_get();
     struct rd_job j = {buf, nbytes,
                        isa == CLB_ISA_AVX512 ? rd_avx512 : isa == CLB_ISA_AVX2 ? rd_avx2 : rd_ref, 0};
     clb_parallel_for((nbytes + CLB_RD_CHUNK - 1) / CLB_RD_CHUNK, rd_chunk, &j, nthreads);
-    *xor_out = atomic_load(&j.sum);
+    *xor_out = (int64_t)atomic_load(&j.sum);
     return CLB_OK;
 }

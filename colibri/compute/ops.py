@@ -408,9 +408,9 @@ def mem_read(buf: Buffer, nthreads: int = 0) -> int:
     (little-endian; a tail of < 8 bytes XORed in bytewise), which makes the reads observable.
     Time it for the streaming read bandwidth (bench/, DESIGN.md §8)."""
     nbytes = _nbytes(buf, "mem_read: buf")
-    out = ffi.new("uint64_t *")
+    out = ffi.new("int64_t *")
     _check(lib.clb_mem_read(out, ffi.from_buffer(buf), nbytes, nthreads), "mem_read")
-    return int(out[0])
+    return int(out[0]) & 0xFFFFFFFFFFFFFFFF
 
 
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
