@@ -5,9 +5,10 @@ same run; plus small-call latencies (the engine makes ~300 kernel calls a token)
     .venv/bin/python bench/kernels.py [--mib 128] [--isa avx2] [--repeat 5]
 
 Weight GB/s = weight bytes / time (each weight byte is read once per call). Memory bandwidth
-= a large numpy copy (np.copyto), counted as read + write = 2 x size bytes / time (the write
-allocate makes the real traffic higher, so this is a conservative ceiling), run in 1 and in
-N threads at once. Times are the best of --repeat runs (the machine is shared).
+= a streaming SIMD read in C of 1 GiB (ops.mem_read), the read bound a matvec can reach, at 1
+and N threads; beside it a large numpy copy (np.copyto), counted as read + write (its write
+allocate makes the real traffic higher: a copy understates reads). Times are the best of
+--repeat runs (the machine is shared).
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def copy_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
     return 2 * per * 4 * nthreads / best_time(run, repeat) / 1e9
 
 
+def read_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
+    """GB/s of a streaming SIMD read (ops.mem_read: vector loads, no stores) of an nbytes
+    buffer on nthreads kernel-pool threads: the memory read bound (DESIGN.md §8). Best of
+    `repeat` after a warm-up; nbytes should be far larger than the L3 cache."""
+    buf = np.ones(nbytes, np.uint8)
+    return nbytes / best_time(lambda: ops.mem_read(buf, nthreads), repeat) / 1e9
+
+
 def make_weights(qt: ops.QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed)."""
     base = ops.quantize(rng.standard_normal((256, cols)).astype(np.float32), qt)
@@ -92,9 +101,13 @@ def main() -> None:
           f"weights {args.mib} MiB, cols {args.cols}, best of {args.repeat}, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
-    bw = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
+    cp = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
+    bw = {t: read_bandwidth(1 << 30, t, args.repeat) for t in sorted({1, nt})}
     for t, v in bw.items():
-        print(f"memory bandwidth, numpy copy of 256 MiB, {t} thread(s): {v:6.2f} GB/s (read+write)")
+        print(
+            f"memory bandwidth, {t} thread(s): SIMD read of 1 GiB {v:6.2f} GB/s "
+            f"(the bound below); numpy copy of 256 MiB {cp[t]:6.2f} GB/s (read+write)"
+        )
     print()
     print("cpu% = process CPU time / (wall x threads): below 100% the machine was busy.")
     print("act q8_0: activations quantized to Q8_0 (included in the time), integer dots.")

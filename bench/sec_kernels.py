@@ -30,7 +30,7 @@ COLS = 4096
 BATCH = 8
 REPEAT = 3  # calls per round (best taken, after a warm-up); medians over rounds are reported
 FFN_SHAPE = (2048, 768)  # Qwen3-30B-A3B expert: hidden_size, moe_intermediate_size
-TARGET = 0.6  # Q4_0 matvec at >= 60% of the memory bandwidth
+TARGET = 0.8  # Q4_0 matvec at >= 80% of the memory read bandwidth (issue 23)
 
 
 def weight_mib(quick: bool) -> int:
@@ -92,7 +92,7 @@ def _plot(ctx: Context, rows: list[dict[str, Any]], threads: list[int]) -> str:
             bars = a.bar(xs + (i - (len(threads) - 1) / 2) * width, vals, width,
                          label=f"{t} thread{'s' * (t > 1)}")  # fmt: skip
             a.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.axhline(100, ls="--", color="k", lw=1, label="memory bandwidth (numpy copy)")
+    ax.axhline(100, ls="--", color="k", lw=1, label="memory read bandwidth (SIMD read)")
     ax.axhline(TARGET * 100, ls=":", color="gray", lw=1, label=f"target {TARGET:.0%} (Q4_0)")
     ax.set_ylim(0, max([115.0] + [r["of_mem"] * 115 for r in mv]))
     ax.set_ylabel("% of memory bandwidth (same thread count)")
@@ -139,9 +139,11 @@ def run(ctx: Context) -> Section:
         return f
 
     ctx.log(f"kernels: {len(points)} matmul points x {rounds} rounds, {mib} MiB weights")
-    # the copy again, interleaved with the kernels: this machine's bandwidth drifts with its load
-    copy = bench_kernels.copy_bandwidth
-    copies = {("copy", t): (lambda t=t: copy(sec_limits.MEM_NBYTES, t, REPEAT)) for t in threads}
+    # the read bound again, interleaved with the kernels: this machine's bandwidth drifts with
+    # its load
+    read = bench_kernels.read_bandwidth
+    copies = {("copy", t): (lambda t=t: read(sec_limits.MEM_READ_NBYTES, t, REPEAT))
+              for t in threads}  # fmt: skip
     res = interleave({**copies, **{p: wall(p) for p in points}}, rounds)
     mem_here = {t: median(res.pop(("copy", t))) for t in threads}
     bw = {t: max(mem_limits[t], mem_here[t]) for t in threads}  # the higher: never flatter
@@ -170,8 +172,8 @@ def run(ctx: Context) -> Section:
         "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "
         f"of x included; the engine's default). Time per point: best of {REPEAT} calls after "
         f"a warm-up, median over {rounds} interleaved rounds. *of mem* = weight GB/s / memory "
-        "GB/s (numpy copy, read + write, same thread count, the higher of the limits section's "
-        f"figure and a copy interleaved with these runs: {fmt(mem_1t)} GB/s at 1 thread, "
+        "read GB/s (streaming SIMD read in C, same thread count, the higher of the limits "
+        f"section's figure and a read interleaved with these runs: {fmt(mem_1t)} GB/s at 1 thread, "
         f"{fmt(mem)} GB/s at {ctx.threads}). *cpu* = process CPU time / (wall x threads): "
         "below 100% the machine was busy with other work.",
     ]
@@ -194,7 +196,7 @@ def run(ctx: Context) -> Section:
         scale = best["gbps"] / one["gbps"]
         md += ["", f"Q4_0 matvec reaches {best['of_mem']:.0%} of the memory bandwidth at "
                f"{ctx.threads} threads (target {TARGET:.0%}). Where the time goes: one core "
-               f"decodes {one['gbps']:.2f} GB/s of Q4_0 ({one['of_mem']:.0%} of a 1-thread copy), "
+               f"decodes {one['gbps']:.2f} GB/s of Q4_0 ({one['of_mem']:.0%} of a 1-thread read), "
                f"and {ctx.threads} threads give {scale:.2f}x that"
                + (" — nearly linear, so unpacking nibbles and the FMAs per byte (compute), not "
                   "DRAM, bound it" if scale > 0.8 * ctx.threads else
@@ -224,7 +226,7 @@ def run(ctx: Context) -> Section:
 
     heads = [Headline(
         scenario="Q4_0 matvec", unit="GB/s", value=best["gbps"], limit=mem,
-        limit_name=f"memory, {ctx.threads} threads (numpy copy)", target="≥ 60%",
+        limit_name=f"memory read, {ctx.threads} threads (SIMD read)", target="≥ 80%",
         note=f"{mib} MiB weights, {best['act']} activations, {ctx.threads} threads",
     )]  # fmt: skip
     data = {"weight_mib": mib, "cols": COLS, "mem_gbps": mem, "mem_gbps_1t": mem_1t,

@@ -76,6 +76,30 @@ class Linear:
         return out
 
 
+def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
+    """One Linear over the rows of `parts` (same type, columns and bias presence), so q, k and
+    v take one quantization of their input and one kernel call; each row is computed as in
+    its own matrix (kernels are row-independent), so results are identical. The parts' weights
+    become views into the fused array (no second copy). None when they do not match."""
+    p0 = parts[0]
+    same = all(
+        p.qtype == p0.qtype and p.cols == p0.cols and p.act_q8 == p0.act_q8 and
+        (p.bias is None) == (p0.bias is None) and p.w.ndim == p0.w.ndim and
+        p.w.shape[1:] == p0.w.shape[1:]
+        for p in parts
+    )  # fmt: skip
+    if not same:
+        return None
+    w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
+    bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
+    fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8)
+    r = 0
+    for p in parts:
+        p.w, p.bias = w[r : r + p.rows], None if bias is None else bias[r : r + p.rows]
+        r += p.rows
+    return fused
+
+
 @dataclass
 class KVCache:
     """Per-sequence keys and values, preallocated to the context length.
@@ -290,6 +314,8 @@ class Model:
                 "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
                 "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
             }
+            if (qkv := _fuse((w["q"], w["k"], w["v"]))) is not None:
+                w["qkv"] = qkv
         if a.qk_norm == "head":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
             w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
@@ -359,7 +385,9 @@ class Model:
         """Bytes of resident weights (all dense tensors of the store)."""
         total = self.embed_w.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
         for w in self.layers:
-            for v in w.values():
+            for key, v in w.items():
+                if key == "qkv":  # q, k and v are views into it
+                    continue
                 items = v if isinstance(v, tuple) else (v,)
                 total += sum(i.nbytes for i in items)
         if self.spec.lm_head == self.spec.embed:
@@ -392,14 +420,21 @@ class Model:
         the keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, v_head_dim]."""
         spec, w = self.spec.layers[i], self.layers[i]
         a, n = spec.attention, h.shape[0]
-        q = w["q"](h, nthreads=self.nthreads)
+        if "qkv" in w:  # one quantization of h and one kernel call for q, k and v
+            qkv = w["qkv"](h, nthreads=self.nthreads)
+            nq, nk = w["q"].rows, w["k"].rows
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+            if n > 1:  # column slices of a batch are strided; the kernels want rows
+                q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
+        else:
+            q = w["q"](h, nthreads=self.nthreads)
+            k = w["k"](h, nthreads=self.nthreads)
+            v = w["v"](h, nthreads=self.nthreads)
         gate = None
         if a.output_gate:  # per head [query | output gate] (AttentionSpec.output_gate)
             qg = q.reshape(n, a.n_heads, 2 * a.head_dim)
             q = np.ascontiguousarray(qg[:, :, : a.head_dim]).reshape(n, -1)
             gate = qg[:, :, a.head_dim :]
-        k = w["k"](h, nthreads=self.nthreads)
-        v = w["v"](h, nthreads=self.nthreads)
         if a.qk_norm == "full":
             ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
             ops.rmsnorm(k, k, w["k_norm"], self.spec.norm_eps)

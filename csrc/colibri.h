@@ -81,6 +81,12 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x,
                    int act, float alpha, float limit, int accumulate, void *qscratch,
                    int nthreads);
 
+/* ---- memory read bound (membench.c) ----------------------------------------------------
+ * Read nbytes of buf once with vector loads on nthreads threads (the kernel pool) and store
+ * the XOR of its 64-bit words (as int64) in *xor_out, so the reads cannot be optimised away;
+ * time it from the caller for the streaming read bandwidth. */
+int clb_mem_read(int64_t *xor_out, const void *buf, int64_t nbytes, int nthreads);
+
 /* ---- small ops (ops.c) ----------------------------------------------------------------- */
 /* y[n, d] = x / sqrt(mean(x^2) + eps) * w; w nullable (= 1); y may alias x. */
 int clb_rmsnorm(float *y, const float *x, const float *w, int64_t n, int64_t d, float eps);

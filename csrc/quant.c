@@ -257,7 +257,8 @@ void clb_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t
 
 /* ---- scalar twin of the Q8_0-activation matmul (clb_matmul_q8) -----------------------------
  * Per block the exact integer sum of w_q * x_q (Q4_0: w_q = nibble - 8), then in f32
- * s += isum * (d_w * d_x), block order; ggml_vec_dot_q4_0_q8_0 / _q8_0_q8_0 in scalar form. */
+ * s = fma(isum, d_w * d_x, s), block order; ggml_vec_dot_q4_0_q8_0 / _q8_0_q8_0 in scalar form.
+ * Every SIMD variant and batch size gives these bits (arch/matmul_q8.inc). */
 void clb_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                       const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                       int64_t r1, const float *bias, const float *scale, int accumulate) {
@@ -281,7 +282,7 @@ void clb_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
                 }
                 const float d = clb_f16_to_f32(clb_load_u16(wb)) *
                                 clb_f16_to_f32(clb_load_u16(&xb8->d));
-                s += (float)isum * d;
+                s = fmaf((float)isum, d, s); /* one rounding: the SIMD kernels' FMA, bit for bit */
             }
             if (bias) s += bias[r];
             float v = scale ? scale[i] * s : s;

@@ -11,6 +11,7 @@ import enum
 import functools
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -305,6 +306,23 @@ def matmul_q8(
     return out
 
 
+_tls = threading.local()
+
+
+_SCRATCH_KEEP = 8 << 20  # bytes: larger scratch (long prefill chunks) is not kept
+
+
+def _scratch(kind: str, size: int, dtype: type) -> np.ndarray:
+    """A per-thread buffer of >= size elements, kept between calls up to _SCRATCH_KEEP bytes
+    (decode allocates nothing): only for scratch that does not outlive the kernel call."""
+    buf = getattr(_tls, kind, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1), dtype)
+        if buf.nbytes <= _SCRATCH_KEEP:
+            setattr(_tls, kind, buf)
+    return buf
+
+
 def _opt_f32(a: np.ndarray | None, size: int, name: str) -> np.ndarray | None:
     if a is not None and _f32(a, name).size != size:
         raise KernelError(f"{name} must have {size} elements, got {a.size}")
@@ -341,11 +359,11 @@ def expert_ffn(
     g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF
     GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
     (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
-    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (allocated
-    if None; pass it to stay allocation-free). act_q8=True (Q4_0 / Q8_0 weights only): x and
+    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (None: a
+    per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
     h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
-    scratch is allocated here). Returns out. Raises KernelError on bad shapes, or act_q8 with
-    another weight type.
+    scratch is a per-thread buffer kept between calls). Returns out. Raises KernelError on bad
+    shapes, or act_q8 with another weight type.
     """
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
@@ -361,7 +379,7 @@ def expert_ffn(
     _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
     _opt_f32(row_weight, n, "expert_ffn: row_weight")
     if scratch is None:
-        scratch = np.empty(2 * n * d_ff, np.float32)
+        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
     elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
         raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
     qs = ffi.NULL
@@ -369,10 +387,11 @@ def expert_ffn(
         if qt not in Q8_ACT_TYPES:
             raise KernelError(f"expert_ffn: act_q8 needs Q4_0 or Q8_0 weights, got {qt.name}")
         qs = ffi.from_buffer(
-            np.empty(
-                n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)), np.uint8
+            _scratch(
+                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
+                np.uint8,
             )
-        )
+        )  # fmt: skip
     rc = lib.clb_expert_ffn(
         qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
         ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
@@ -383,10 +402,22 @@ def expert_ffn(
     return out
 
 
+def mem_read(buf: Buffer, nthreads: int = 0) -> int:
+    """Read every byte of `buf` (any C-contiguous buffer) once with vector loads on nthreads
+    threads (<= 0: default_threads()), GIL released; returns the XOR of its 64-bit words
+    (little-endian; a tail of < 8 bytes XORed in bytewise), which makes the reads observable.
+    Time it for the streaming read bandwidth (bench/, DESIGN.md §8)."""
+    nbytes = _nbytes(buf, "mem_read: buf")
+    out = ffi.new("int64_t *")
+    _check(lib.clb_mem_read(out, ffi.from_buffer(buf), nbytes, nthreads), "mem_read")
+    return int(out[0]) & 0xFFFFFFFFFFFFFFFF
+
+
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 
-_F32 = (np.dtype(np.float32),)
+# dtype tuples for _arr (_F32 above stays a dtype: _rows_x's fast path compares with it)
+_F32S = (np.dtype(np.float32),)
 _F32_F16 = (np.dtype(np.float32), np.dtype(np.float16))
 _I32 = (np.dtype(np.int32),)
 
@@ -394,7 +425,7 @@ _I32 = (np.dtype(np.int32),)
 def _arr(
     a: object,
     name: str,
-    dtypes: tuple[np.dtype, ...] = _F32,
+    dtypes: tuple[np.dtype, ...] = _F32S,
     *,
     ndim: int | None = None,
     writable: bool = False,
