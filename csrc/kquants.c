@@ -3,13 +3,14 @@
  *
  * Dequantization is gguf-py's (gguf.quants.dequantize) bit for bit: every value is s * q + m in
  * f32 without FMA contraction (pragma below), see kquants.h. Quantizers:
- *   q5_0, q5_1: gguf.quants.quantize's arithmetic (= ggml's quantize_row_q5_{0,1}_ref), same bytes;
+ *   q5_0, q5_1, mxfp4: gguf.quants.quantize's arithmetic (= ggml's quantize_row_*_ref), same
+ *     bytes;
  *   q4_k, q5_k, q6_k: the algorithm of ggml's quantize_row_q{4,5,6}_K_ref (ggml-quants.c:
  *     make_qkx2_quants' weighted min/scale search for Q4_K/Q5_K, make_qx_quants' rmse search for
  *     Q6_K, 6-bit / 8-bit super-block scales, then a re-quantization with the rounded scales);
- *   fp8: per 128x128 tile of the rows given, scale = amax / 448 (DeepSeek-V3's block scaling),
- *     e4m3 = round-to-nearest-even of x / scale (saturating at 448, as torch's cast of an
- *     in-range value).
+ *   fp8: per 128x128 tile of the rows given (tiles start at the first row), scale = amax / 448
+ *     (DeepSeek-V3's block scaling), e4m3 = round-to-nearest-even of x / scale in f32 (torch's
+ *     x.to(float8_e4m3fn) for these in-range values; beyond 448 it saturates).
  */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
@@ -79,6 +80,28 @@ static void quantize_q5_1(block_q5_1 *out, const float *x) {
     out->d = clb_f32_to_f16(d);
     out->m = clb_f32_to_f16(min);
     pack_q5(out->qh, out->qs, q);
+}
+
+/* MXFP4 (gguf.quants.quantize's arithmetic = ggml's quantize_row_mxfp4_ref): shared exponent
+ * e = floor(log2(amax)) - 2 + 127, each weight the nearest of the doubled e2m1 values times
+ * 2^(e - 128) (the first on ties). */
+static void quantize_mxfp4(block_mxfp4 *out, const float *x) {
+    float amax = 0;
+    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const uint8_t e = amax > 0.0f ? (uint8_t)(int)(floorf(log2f(amax)) - 2 + 127) : 0;
+    const float d = clb_e8m0_half(e);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) {
+        int best = 0;
+        float err = fabsf(d * (float)clb_kvalues_mxfp4[0] - x[j]);
+        for (int i = 1; i < 16; i++) {
+            const float t = fabsf(d * (float)clb_kvalues_mxfp4[i] - x[j]);
+            if (t < err) { err = t; best = i; }
+        }
+        q[j] = (uint8_t)best;
+    }
+    out->e = e;
+    for (int j = 0; j < 16; j++) out->qs[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
 }
 
 /* ---- K-quant helpers (the algorithms of ggml-quants.c) ---------------------------------- */
@@ -320,11 +343,11 @@ static void quantize_fp8(uint8_t *out, const float *x, int64_t nrows, int64_t nc
             float amax = 0;
             for (int64_t r = r0; r < r1; r++)
                 for (int64_t c = c0; c < c1; c++) amax = fmaxf(amax, fabsf(x[r * ncols + c]));
-            const float sc = amax / 448.f, inv = sc != 0 ? 1.0f / sc : 0.0f;
+            const float sc = amax / 448.f;
             for (int64_t r = r0; r < r1; r++) {
                 uint8_t *row = out + r * rb;
                 memcpy(row + 4 * b, &sc, 4);
-                for (int64_t c = c0; c < c1; c++) row[4 * ns + c] = f32_to_e4m3(x[r * ncols + c] * inv);
+                for (int64_t c = c0; c < c1; c++) row[4 * ns + c] = f32_to_e4m3(sc != 0 ? x[r * ncols + c] / sc : 0.0f);
             }
         }
     }
@@ -356,6 +379,7 @@ static void kq_quant_chunk(void *ctx, int64_t c) {
             switch (j->qtype) {
             case CLB_QTYPE_Q5_0: quantize_q5_0(blk, xb); break;
             case CLB_QTYPE_Q5_1: quantize_q5_1(blk, xb); break;
+            case CLB_QTYPE_MXFP4: quantize_mxfp4(blk, xb); break;
             case CLB_QTYPE_Q4_K: quantize_q4_K(blk, xb); break;
             case CLB_QTYPE_Q5_K: quantize_q5_K(blk, xb); break;
             case CLB_QTYPE_Q6_K: quantize_q6_K(blk, xb); break;
@@ -373,7 +397,8 @@ int clb_kq_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t
         quantize_fp8(out, x, nrows, ncols);
         return CLB_OK;
     }
-    if (qtype != CLB_QTYPE_Q5_0 && qtype != CLB_QTYPE_Q5_1 && qtype != CLB_QTYPE_Q4_K &&
+    if (qtype != CLB_QTYPE_Q5_0 && qtype != CLB_QTYPE_Q5_1 && qtype != CLB_QTYPE_MXFP4 &&
+        qtype != CLB_QTYPE_Q4_K &&
         qtype != CLB_QTYPE_Q5_K && qtype != CLB_QTYPE_Q6_K)
         return CLB_EQTYPE; /* import-only types (no quantizer) */
     struct kq_job j = {qtype, out, x, ncols, rb, nrows};
@@ -382,7 +407,7 @@ int clb_kq_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t
     return CLB_OK;
 }
 
-/* A GGML-type row -> f32 exactly as gguf: s * q + m (no FMA). */
+/* A GGML-type row -> f32 exactly as gguf (signed zeros too): s * q (+ m), no FMA. */
 static void kq_dequant_row(int qtype, float *out, const uint8_t *row, int64_t cols, int8_t *q,
                            float *s, float *m) {
     if (qtype == CLB_QTYPE_FP8) {
@@ -390,7 +415,10 @@ static void kq_dequant_row(int qtype, float *out, const uint8_t *row, int64_t co
         return;
     }
     clb_kq_unpack_row(qtype, row, cols, q, s, m);
-    for (int64_t c = 0; c < cols; c++) out[c] = s[c / 16] * (float)q[c] + m[c / 16];
+    if (clb_kq_has_min(qtype))
+        for (int64_t c = 0; c < cols; c++) out[c] = s[c / 16] * (float)q[c] + m[c / 16];
+    else /* no + 0: keeps gguf's -0.0 */
+        for (int64_t c = 0; c < cols; c++) out[c] = s[c / 16] * (float)q[c];
 }
 
 static void kq_dequant_chunk(void *ctx, int64_t c) {

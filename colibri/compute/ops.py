@@ -277,8 +277,7 @@ def matmul(
 # dots for the GGML block types, f32 dots on the Q8_0 values for FP8.
 Q8_ACT_TYPES = frozenset(QType) - {QType.F32, QType.F16, QType.BF16, QType.Q4_1}
 # Types `quantize` can produce (the rest are import-only: GGUF / hub bytes kept as they are).
-QUANTIZE_TYPES = frozenset(QType) - {QType.Q2_K, QType.Q3_K, QType.MXFP4, QType.IQ4_NL}
-QUANTIZE_TYPES -= {QType.IQ4_XS}
+QUANTIZE_TYPES = frozenset(QType) - {QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS}
 
 
 def quantize_act(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
