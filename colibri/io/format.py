@@ -746,3 +746,46 @@ class StoreWriter:
             if f is not None:
                 f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ---- fp8 rows <-> the hub's block-scaled layout (DeepSeek-V3 `weight` + `weight_scale_inv`) ----
+
+
+def fp8_rows(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """A hub FP8 matrix as the store's fp8 rows, losslessly: `weight` float8_e4m3fn bytes
+    (uint8 [rows, cols]) and `scale_inv` f32 [ceil(rows / 128), ceil(cols / 128)] (one scale
+    per 128x128 block, ragged edge blocks; dequantized = weight * scale_inv) -> uint8
+    [rows, row_nbytes("fp8", cols)]: each row its block row's scales, then its e4m3 bytes.
+    Raises StoreError naming the mismatched shape."""
+    weight = np.ascontiguousarray(weight).view(np.uint8)
+    if weight.ndim != 2:
+        raise StoreError(f"fp8 weight must be 2-D [rows, cols], got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    scale_inv = np.asarray(scale_inv, dtype=np.float32)
+    if scale_inv.shape != grid:
+        raise StoreError(
+            f"fp8 weight_scale_inv has shape {list(scale_inv.shape)}, weight {[rows, cols]} "
+            f"with {FP8_BLOCK}x{FP8_BLOCK} blocks needs {list(grid)}"
+        )
+    scales = np.repeat(scale_inv, FP8_BLOCK, axis=0)[:rows]
+    return np.concatenate([scales.view(np.uint8), weight], axis=1)
+
+
+def fp8_unrows(rows_u8: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of fp8_rows: uint8 [rows, row_nbytes("fp8", cols)] -> (weight uint8
+    [rows, cols], scale_inv f32 [ceil(rows / 128), ceil(cols / 128)]). Raises StoreError if a
+    128-row block's rows do not share their scales (rows not written by fp8_rows)."""
+    rows_u8 = np.ascontiguousarray(rows_u8, dtype=np.uint8)
+    ns = -(-cols // FP8_BLOCK)
+    if rows_u8.ndim != 2 or rows_u8.shape[1] != 4 * ns + cols:
+        raise StoreError(
+            f"fp8 rows have shape {list(rows_u8.shape)}, {cols} columns need "
+            f"[rows, {4 * ns + cols}]"
+        )
+    scales = rows_u8[:, : 4 * ns].copy().view(np.float32)
+    grid = scales[::FP8_BLOCK]
+    if not np.array_equal(np.repeat(grid, FP8_BLOCK, axis=0)[: len(scales)].view(np.uint32),
+                          scales.view(np.uint32)):  # fmt: skip
+        raise StoreError("fp8 rows: rows of one 128-row block carry different scales")
+    return rows_u8[:, 4 * ns :].copy(), grid
