@@ -52,6 +52,8 @@ QTYPES: dict[str, tuple[int, int]] = {
     "fp8": (1, 1),
 }
 BLOCK_QTYPES = tuple(q for q in QTYPES if q not in ("f32", "f16", "bf16"))  # stored as U8 rows
+# no quantizer from float (GGUF bytes are imported as they are); the rest are --quant choices
+IMPORT_ONLY_QTYPES = ("q2_k", "q3_k", "iq4_nl", "iq4_xs")
 FP8_BLOCK = 128  # fp8: columns per scale, and rows per scale block of the source tensor
 MIXED = "mixed"  # ExpertLayout.qtype when gate, up and down differ
 EXPERT_TENSORS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
