@@ -33,7 +33,7 @@ class Linear:
         act_q8: bool = False,
     ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
-        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES
+        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES and cols % 32 == 0  # fp8: any cols
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +123,8 @@ class Model:
     def _expert_plan(self, layout) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
         spans = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
         qts = tuple(QType.parse(q) for q in layout.weight_qtypes)
-        return spans, qts, self.act_q8 and all(q in ops.Q8_ACT_TYPES for q in qts)
+        blocks = layout.d_model % 32 == 0 and layout.d_ff % 32 == 0  # Q8_0 rows (fp8: any)
+        return spans, qts, self.act_q8 and blocks and all(q in ops.Q8_ACT_TYPES for q in qts)
 
     def _raw(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, QType]:
         if name not in self._names:

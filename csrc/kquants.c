@@ -425,7 +425,7 @@ static void kq_dequant_chunk(void *ctx, int64_t c) {
     const struct kq_job *j = ctx;
     const int64_t r0 = c * KQ_ROWS_PER_CHUNK;
     const int64_t r1 = r0 + KQ_ROWS_PER_CHUNK < j->nrows ? r0 + KQ_ROWS_PER_CHUNK : j->nrows;
-    int8_t *q = malloc(j->cols + 8 * (j->cols / 16 + 1));
+    int8_t *q = malloc(j->cols + 8 * (j->cols / 16 + 1) + 16);
     if (!q) return;
     float *s = (float *)(void *)(q + (j->cols + 3) / 4 * 4), *m = s + j->cols / 16 + 1;
     for (int64_t r = r0; r < r1; r++)

@@ -5,6 +5,10 @@ quantization error, and float64 dequantize-then-matmul references for the kernel
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import gguf
 import numpy as np
 import pytest
@@ -169,6 +173,18 @@ def test_fp8_quantize_like_deepseek(rows, cols):
     assert np.sqrt(np.mean(err**2)) < 0.05 * np.sqrt(np.mean(x**2))
 
 
+def test_type_tables_agree():
+    """io/format.py's qtype table (the store) and the C kernels (ops) agree on every type's
+    row size, and on which types have a quantizer."""
+    for qt in ops.QType:
+        name = qt.name.lower()
+        assert name in fmt.QTYPES
+        for cols in (256, 512, 1280):
+            assert ops.row_nbytes(qt, cols) == fmt.row_nbytes(name, cols), (name, cols)
+    want = {q.name.lower() for q in ops.QUANTIZE_TYPES}
+    assert want == set(fmt.QTYPES) - set(fmt.IMPORT_ONLY_QTYPES)
+
+
 def test_bad_arguments():
     with pytest.raises(KernelError, match="multiple of the block size"):
         ops.row_nbytes("q4_k", 128)
@@ -307,3 +323,30 @@ def test_expert_ffn_per_tensor_types(isa, types, act_q8):
             np.zeros((n, d_model), np.float32), x, g, u, d[:-1], "q4_0", d_model, d_ff,
             qtypes=types,
         )  # fmt: skip
+
+
+EMU = os.path.join(os.path.dirname(__file__), "avx512_emu")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+
+
+@pytest.mark.skipif(ops.best_isa() >= ops.ISA.AVX512, reason="AVX-512 runs natively here")
+@pytest.mark.skipif(
+    not os.path.isdir("/usr/include/simde") or shutil.which("gcc") is None,
+    reason="needs gcc and SIMDe headers (libsimde-dev) to emulate AVX-512",
+)
+def test_kquants_avx512_emulated(tmp_path):
+    """arch/kquants_avx512.c compiled on SIMDe's portable AVX-512 against the scalar twins:
+    every issue-15 type, f32 and Q8_0 activations (tests/avx512_emu/kq_harness.c)."""
+    src = tmp_path / "kq_emu.c"
+    with open(os.path.join(CSRC, "arch", "kquants_avx512.c")) as f:  # native pragma dropped
+        src.write_text("".join(ln for ln in f if not ln.startswith("#pragma GCC target")))
+    inc = ["-I", EMU, "-I", CSRC, "-I", os.path.join(CSRC, "arch")]
+    flags = ["gcc", "-O1", "-std=gnu11", "-DSIMDE_NO_NATIVE", "-w", *inc]
+    exe = str(tmp_path / "kq_harness")
+    subprocess.run([*flags, "-c", str(src), "-o", str(tmp_path / "k.o")], check=True)
+    srcs = [os.path.join(EMU, "kq_harness.c")]
+    srcs += [os.path.join(CSRC, f) for f in ("quant.c", "kquants.c", "pool.c", "isa.c")]
+    subprocess.run([*flags, *srcs, str(tmp_path / "k.o"), "-o", exe, "-lm", "-pthread"],
+                   check=True)  # fmt: skip
+    res = subprocess.run([exe], capture_output=True, text=True)
+    assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout

@@ -191,3 +191,59 @@ def test_writer_refuses_an_override_larger_than_the_default(tmp_path):
     assert not list(tmp_path.iterdir())  # the temporary directory is gone
     with pytest.raises(StoreError, match="qtypes for unknown tensors"):
         ExpertLayout.build("q4_0", 64, 96, qtypes={"gate_bias": "q8_0"})
+
+
+def _kl_top1(ref_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
+    p, q = ref_logits.astype(np.float64), q_logits.astype(np.float64)
+    logp = p - np.logaddexp.reduce(p, axis=1, keepdims=True)
+    logq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
+    return float((np.exp(logp) * (logp - logq)).sum(1).mean()), float(
+        (p.argmax(1) == q.argmax(1)).mean()
+    )
+
+
+async def _teacher_forced(store, ids, tokens, activations):
+    async with open_engine(store, activations=activations) as engine:
+        seq = engine.new_sequence()
+        out = [await engine.forward(seq, ids)]
+        for tok in tokens[:-1]:
+            out.append(await engine.forward(seq, [tok]))
+    return np.stack(out)
+
+
+# expert quant -> mean KL bound against the f32 store (dense f32, so only the experts differ),
+# teacher-forced, on a Mixtral of hidden size 256 (K-quants need 256 columns). Measured
+# (f32 / q8_0 activations): q4_0 7.3e-2, q4_k 3.2e-2, q5_k 7.2e-3 / 7.9e-3, q6_k 2.1e-3 /
+# 2.3e-3, q5_1 3.4e-2, mxfp4 1.1e-1, fp8 5.5e-3 / 2.9e-2 (one routing flip); bounds ~3x. A
+# mixed-up layout or type gives KL of order 1.
+CONVERT_BOUNDS = {"q4_0": 0.2, "q4_k": 0.1, "q5_k": 0.025, "q6_k": 0.01, "q5_1": 0.1,
+                  "mxfp4": 0.3, "fp8": 0.08}  # fmt: skip
+
+
+async def test_convert_to_new_types_runs_close_to_float(tmp_path, monkeypatch):
+    """`colibri convert --quant T` with the new types (quantizers from float) runs on both
+    activation kinds within CONVERT_BOUNDS of the f32 store; the K-quants keep their order of
+    quality (q6_k < q5_k < q4_k < q4_0)."""
+    monkeypatch.setitem(
+        hf_models.EXTRA_CONFIGS,
+        "mixtral_256",
+        ("MixtralConfig", dict(hidden_size=256, intermediate_size=256, num_local_experts=4,
+                               num_experts_per_tok=2, rope_theta=1e4)),
+    )  # fmt: skip
+    model = hf_models.build("mixtral_256", seed=3)
+    src = hf_models.save(model, tmp_path / "hf")
+    convert(src, tmp_path / "f32", quant="f32", dense_quant="f32")
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, 24).tolist()
+    tokens, ref_logits = await hf_models.engine_greedy(tmp_path / "f32", ids, 12, activations="f32")
+    for activations in ("f32", "q8_0"):
+        kls = {}
+        for quant, bound in CONVERT_BOUNDS.items():
+            store = tmp_path / quant
+            if not store.exists():
+                convert(src, store, quant=quant, dense_quant="f32")
+                assert open_store(store).layout.weight_qtypes == (quant,) * 3
+            q_logits = await _teacher_forced(store, ids, tokens, activations)
+            kls[quant], top1 = _kl_top1(ref_logits, q_logits)
+            print(f"{quant} {activations}: KL {kls[quant]:.2e}, top-1 {top1:.3f}")
+            assert kls[quant] <= bound, (quant, activations, kls[quant])
+        assert kls["q6_k"] < kls["q5_k"] < kls["q4_k"] < kls["q4_0"], kls

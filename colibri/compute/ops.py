@@ -178,11 +178,16 @@ def _fp(a: np.ndarray | None):
 
 
 def quantize(x: np.ndarray, qtype: QType | str | int, out: np.ndarray | None = None) -> np.ndarray:
-    """Quantize float rows x[..., cols] to `qtype`, byte-identical to `gguf.quants.quantize`.
+    """Quantize float rows x[..., cols] to `qtype`, byte-identical to `gguf.quants.quantize`
+    for the types gguf quantizes (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4). Q4_K, Q5_K,
+    Q6_K: the algorithm of ggml's quantize_row_q*_K_ref (gguf has none). FP8: per 128x128
+    tile of the rows (counted from the first row of x flattened to 2-D: pass one matrix per
+    call), scale = amax / 448 and e4m3 = x / scale rounded to nearest even (DeepSeek-V3).
 
     Returns uint8 [..., row_nbytes(qtype, cols)] (written into `out` if given). x is converted
-    to C-contiguous float32 first (a copy only if needed). Raises KernelError for a bad shape,
-    cols not a multiple of 32 for block formats, or a wrong `out`.
+    to C-contiguous float32 first (a copy only if needed). Raises KernelError for a type not
+    in QUANTIZE_TYPES, a bad shape, cols not a multiple of the block size (32, 256 for the
+    K-quants) or a wrong `out`.
     """
     qt = QType.parse(qtype)
     if qt not in QUANTIZE_TYPES:
