@@ -116,7 +116,7 @@ def check_expert_ffn(rng: np.random.Generator) -> list[CheckResult]:
     """expert_ffn with biases and routing weights vs float64 numpy (relative L2 error)."""
     out = []
     d_model, d_ff, n = 128, 96, 3
-    for qt in (ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.BF16):
+    for qt in (ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.BF16, ops.QType.Q5_1, ops.QType.FP8):
         (g, gf), (u, uf), (d, df) = (
             _weights(rng, qt, d_ff, d_model),
             _weights(rng, qt, d_ff, d_model),
