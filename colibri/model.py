@@ -15,7 +15,7 @@ import numpy as np
 from colibri.compute import moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
-from colibri.io.format import Store
+from colibri.io.format import ExpertLayout, Store
 from colibri.models.spec import LayerSpec, ModelSpec
 
 
@@ -120,7 +120,10 @@ class Model:
         self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
 
     # ---- loading -------------------------------------------------------------------------
-    def _expert_plan(self, layout) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
+    def _expert_plan(
+        self, layout: ExpertLayout
+    ) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
+        """(tensor name -> (offset, nbytes), (gate, up, down) qtypes, act_q8) of a layout."""
         spans = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
         qts = tuple(QType.parse(q) for q in layout.weight_qtypes)
         blocks = layout.d_model % 32 == 0 and layout.d_ff % 32 == 0  # Q8_0 rows (fp8: any)

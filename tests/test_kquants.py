@@ -350,3 +350,25 @@ def test_kquants_avx512_emulated(tmp_path):
                    check=True)  # fmt: skip
     res = subprocess.run([exe], capture_output=True, text=True)
     assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout
+
+
+def test_mxfp4_hub_layout_vs_transformers():
+    """gpt-oss hub blocks / scales -> store mxfp4 rows -> dequantized equals transformers' own
+    MXFP4 loader (convert_moe_packed_tensors, f32) bit for bit, C and gguf alike."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(9)
+    E, out_f, G = 2, 6, 4  # in_features = 128
+    blocks = rng.integers(0, 256, (E, out_f, G, 16), dtype=np.uint8)
+    scales = rng.integers(118, 134, (E, out_f, G), dtype=np.uint8)
+    want = convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+    )  # [E, in, out]
+    want = want.transpose(1, 2).numpy()  # back to W [E, out, in]
+    rows = fmt.mxfp4_rows(blocks, scales)
+    assert rows.shape == (E, out_f, fmt.row_nbytes("mxfp4", 32 * G))
+    got = ops.dequantize(rows, "mxfp4", (E, out_f, 32 * G))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ref.dequantize(rows, 39, (E, out_f, 32 * G)), want)
+    with pytest.raises(StoreError, match=r"mxfp4 blocks \[2, 6, 4, 16\] and scales \[2, 6\]"):
+        fmt.mxfp4_rows(blocks, scales[..., 0])

@@ -791,3 +791,23 @@ def fp8_unrows(rows_u8: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
                           scales.view(np.uint32)):  # fmt: skip
         raise StoreError("fp8 rows: rows of one 128-row block carry different scales")
     return rows_u8[:, 4 * ns :].copy(), grid
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's hub MXFP4 layout as the store's mxfp4 rows (GGML's block_mxfp4), losslessly:
+    `blocks` uint8 [..., G, 16] (byte j of a 32-weight group: weight 2j in the low nibble,
+    2j + 1 in the high one) and `scales` uint8 E8M0 [..., G] (2^(s - 127)) -> uint8
+    [..., G * 17]: per group the scale byte, then 16 bytes with weight j low and j + 16 high
+    (the e2m1 codes and the exponent byte are unchanged). Rows = the leading dims (gpt-oss
+    [E, out, in / 32, 16]: rows are output features). Raises StoreError on mismatched shapes."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    scales = np.ascontiguousarray(scales, dtype=np.uint8)
+    if blocks.ndim < 2 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise StoreError(
+            f"mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} must be "
+            "[..., G, 16] and [..., G]"
+        )
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales[..., None], qs], axis=-1)
+    return out.reshape(*blocks.shape[:-2], -1)
