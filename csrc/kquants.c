@@ -426,7 +426,10 @@ static void kq_dequant_chunk(void *ctx, int64_t c) {
     const int64_t r0 = c * KQ_ROWS_PER_CHUNK;
     const int64_t r1 = r0 + KQ_ROWS_PER_CHUNK < j->nrows ? r0 + KQ_ROWS_PER_CHUNK : j->nrows;
     int8_t *q = malloc(j->cols + 8 * (j->cols / 16 + 1) + 16);
-    if (!q) return;
+    if (!q) { /* NaN rather than stale values */
+        clb_kq_fail_rows((float *)j->out + r0 * j->cols, j->cols, r1 - r0, 0, j->cols);
+        return;
+    }
     float *s = (float *)(void *)(q + (j->cols + 3) / 4 * 4), *m = s + j->cols / 16 + 1;
     for (int64_t r = r0; r < r1; r++)
         kq_dequant_row(j->qtype, (float *)j->out + r * j->cols, (const uint8_t *)j->in + r * j->rb,
@@ -461,7 +464,10 @@ void clb_kq_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int6
                         const float *x, int64_t ldx, int64_t cols, int64_t n, int64_t r0,
                         int64_t r1, const float *bias, const float *scale, int accumulate) {
     float *wf = malloc(cols * 4 + cols + 8 * (cols / 16 + 1) + 16);
-    if (!wf) return;
+    if (!wf) {
+        clb_kq_fail_rows(y, ldy, n, r0, r1);
+        return;
+    }
     int8_t *q = (int8_t *)(void *)(wf + cols);
     float *s = (float *)(void *)(q + (cols + 3) / 4 * 4), *m = s + cols / 16 + 1;
     for (int64_t r = r0; r < r1; r++) {
@@ -481,7 +487,10 @@ void clb_kq_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int
                          int64_t r1, const float *bias, const float *scale, int accumulate) {
     const int64_t nblk = cols / QK;
     float *wf = malloc(cols * 4 + cols + 8 * (cols / 16 + 1) + 16);
-    if (!wf) return;
+    if (!wf) {
+        clb_kq_fail_rows(y, ldy, n, r0, r1);
+        return;
+    }
     int8_t *q = (int8_t *)(void *)(wf + cols);
     float *s = (float *)(void *)(q + (cols + 3) / 4 * 4), *m = s + cols / 16 + 1;
     for (int64_t r = r0; r < r1; r++) {

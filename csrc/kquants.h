@@ -279,6 +279,14 @@ static inline void clb_fp8_row_f32(const uint8_t *row, int64_t cols, float *out)
     }
 }
 
+/* On a scratch allocation failure the rows kernels write NaN to their outputs (never leave
+ * stale values that look like results). */
+static inline void clb_kq_fail_rows(float *y, int64_t ldy, int64_t n, int64_t r0, int64_t r1) {
+    const float nan = __builtin_nanf("");
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = r0; r < r1; r++) y[i * ldy + r] = nan;
+}
+
 /* Rows kernels of these types (kquants.c scalar twins, arch/kquants_*.c); the signatures of
  * clb_mm_rows_fn / clb_mmq_rows_fn (quant.h), row_nbytes = the type's row size. */
 void clb_kq_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
