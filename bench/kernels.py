@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from colibri.compute import ops
+from colibri.compute import ops, ref
 
 
 def best_time(fn, repeat: int) -> float:
@@ -69,7 +69,11 @@ def read_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
 
 
 def make_weights(qt: ops.QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed)."""
+    """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed); for
+    the import-only types (no quantizer: q2_k, q3_k, iq4_nl, iq4_xs) random valid blocks."""
+    if qt not in ops.QUANTIZE_TYPES:
+        base = ref.random_blocks(rng, int(qt), 256, cols)
+        return np.ascontiguousarray(np.tile(base, (rows // 256 + 1, 1))[:rows])
     base = ops.quantize(rng.standard_normal((256, cols)).astype(np.float32), qt)
     return np.ascontiguousarray(np.tile(base, (rows // 256 + 1, 1))[:rows])
 
@@ -91,7 +95,11 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--isa", choices=[i.name.lower() for i in ops.ISA], default=None)
-    p.add_argument("--formats", default="q4_0,q8_0,q4_1,f16,bf16,f32")
+    p.add_argument(
+        "--formats",
+        default="q4_0,q8_0,q4_1,f16,bf16,f32,q4_k,q5_k,q6_k,q5_0,q5_1,q2_k,q3_k,mxfp4,iq4_nl,"
+        "iq4_xs,fp8",
+    )
     args = p.parse_args()
     if args.isa:
         ops.set_isa(args.isa)
@@ -145,20 +153,23 @@ def main() -> None:
             med, best = latency_us(lambda: ops.matmul(w, qt, x, y, nthreads=t))  # noqa: B023
             print(f"  matmul {qt} [{rows}x{cols}] n=1, {t} thr: {med:7.1f} / {best:7.1f}")
     d_model, d_ff = 2048, 768  # a Qwen3-30B-A3B expert
-    for qt in ("q4_0", "q8_0"):
-        gate, up = (make_weights(ops.QType.parse(qt), d_ff, d_model, rng) for _ in range(2))
-        down = make_weights(ops.QType.parse(qt), d_model, d_ff, rng)
+    # (gate, up, down) types: "q4_k/q4_k/q6_k" is a Q4_K_M layer with its down in Q6_K
+    for types in ("q4_0", "q8_0", "q4_k/q4_k/q6_k", "q5_1", "mxfp4", "fp8"):
+        qts = [ops.QType.parse(q) for q in (types.split("/") * 3)[:3]]
+        gate, up = (make_weights(qts[i], d_ff, d_model, rng) for i in range(2))
+        down = make_weights(qts[2], d_model, d_ff, rng)
         for n, q8, t in ((n, q8, t) for n in (1, 8, 64) for q8 in (False, True) for t in {1, nt}):
             x = rng.standard_normal((n, d_model)).astype(np.float32)
             y, scratch = np.zeros_like(x), np.empty(2 * n * d_ff, np.float32)
             med, best = latency_us(
-                lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
-                                       scratch=scratch, act_q8=q8, nthreads=t),  # noqa: B023
+                lambda: ops.expert_ffn(y, x, gate, up, down, qts[0], d_model, d_ff,  # noqa: B023
+                                       scratch=scratch, act_q8=q8, nthreads=t,  # noqa: B023
+                                       qtypes=tuple(qts)),  # noqa: B023
                 repeat=500 if n < 64 else 30,
             )  # fmt: skip
             act = "q8_0" if q8 else "f32"
             print(
-                f"  expert_ffn {qt} {d_model}x{d_ff} act {act:<4} n={n}, {t} thr: "
+                f"  expert_ffn {types} {d_model}x{d_ff} act {act:<4} n={n}, {t} thr: "
                 f"{med:7.1f} / {best:7.1f}"
             )
 

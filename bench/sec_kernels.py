@@ -5,10 +5,12 @@ Weights bigger than the L3 cache (quick 64 MiB, full 128 MiB per format, 4096 co
 once per call, so matvec GB/s of weights / memory GB/s says how close a kernel runs to memory
 speed. The functions come from bench/kernels.py (make_weights, best_time_cpu, latency_us).
 
-Q4_0 / Q8_0 weights run both paths: f32 activations (exact) and Q8_0 activations with integer
-dot products (`ops.quantize_act` + `ops.matmul_q8`, `expert_ffn(..., act_q8=True)`; the
-engine's default, as llama.cpp's CPU path); the activation quantization is inside the timed
-call.
+The quantized formats (Q4_0, Q8_0 and issue 15's Q4_K, Q5_K, Q6_K, Q5_1, MXFP4, FP8) run both
+paths: f32 activations (exact) and Q8_0 activations with integer dot products
+(`ops.quantize_act` + `ops.matmul_q8`, `expert_ffn(..., act_q8=True)`; the engine's default, as
+llama.cpp's CPU path; FP8 dots the Q8_0 values in f32); the activation quantization is inside
+the timed call. The expert-FFN latency also runs a Q4_K_M-style record (gate/up Q4_K, down
+Q6_K) and an FP8 one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from colibri.compute import ops
 
 TITLE = "Kernels vs memory bandwidth"
 
-FORMATS = ("q4_0", "q8_0", "f16", "f32")
+FORMATS = ("q4_0", "q8_0", "f16", "f32", "q4_k", "q5_k", "q6_k", "q5_1", "mxfp4", "fp8")
+FFN_TYPES = ("q4_0", "q8_0", "q4_k/q4_k/q6_k", "fp8")  # expert (gate/up/down) types timed
 COLS = 4096
 BATCH = 8
 REPEAT = 3  # calls per round (best taken, after a warm-up); medians over rounds are reported
@@ -59,15 +62,18 @@ def _matmul_runner(
 
 
 def _ffn_runner(qt: str, q8: bool, t: int, rng: np.random.Generator, repeat: int) -> Callable:
-    """Median microseconds per expert_ffn call (n = 1 token, Qwen3-30B-A3B expert shape)."""
+    """Median microseconds per expert_ffn call (n = 1 token, Qwen3-30B-A3B expert shape); qt is
+    one type or "gate/up/down" types (a mixed record)."""
     d_model, d_ff = FFN_SHAPE
-    q = ops.QType.parse(qt)
-    gate, up = (bench_kernels.make_weights(q, d_ff, d_model, rng) for _ in range(2))
-    down = bench_kernels.make_weights(q, d_model, d_ff, rng)
+    qs = [ops.QType.parse(p) for p in (qt.split("/") * 3)[:3]]
+    gate, up = (bench_kernels.make_weights(qs[i], d_ff, d_model, rng) for i in range(2))
+    down = bench_kernels.make_weights(qs[2], d_model, d_ff, rng)
     x = rng.standard_normal(d_model).astype(np.float32)
     y, scratch = np.zeros_like(x), np.empty(2 * d_ff, np.float32)
-    extra = {"act_q8": True} if q8 else {}
-    call = lambda: ops.expert_ffn(y, x, gate, up, down, q, d_model, d_ff, scratch=scratch,  # noqa: E731
+    extra: dict[str, Any] = {"act_q8": True} if q8 else {}
+    if len(set(qs)) > 1:
+        extra["qtypes"] = tuple(qs)
+    call = lambda: ops.expert_ffn(y, x, gate, up, down, qs[0], d_model, d_ff, scratch=scratch,  # noqa: E731
                                   nthreads=t, **extra)  # fmt: skip
     return lambda: bench_kernels.latency_us(call, repeat)[0]
 
@@ -158,7 +164,7 @@ def run(ctx: Context) -> Section:
                      "cpu_share": median(cpu[(f, a, n, t)]), "runs_s": secs})  # fmt: skip
     del weights
 
-    ffn_points = [(q, q8, t) for q in ("q4_0", "q8_0") for q8 in (False, True) for t in threads]
+    ffn_points = [(q, q8, t) for q in FFN_TYPES for q8 in (False, True) for t in threads]
     reps = 200 if ctx.quick else 500
     ffn_res = interleave({p: _ffn_runner(*p, rng, reps) for p in ffn_points}, rounds)
     ffn = [{"qtype": q, "act": "q8_0" if q8 else "f32", "threads": t, "us": median(v), "runs_us": v}

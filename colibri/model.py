@@ -16,7 +16,7 @@ import numpy as np
 from colibri.compute import deltanet, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
-from colibri.io.format import Store
+from colibri.io.format import ExpertLayout, Store
 from colibri.models.spec import LayerSpec, ModelSpec
 
 GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
@@ -49,7 +49,7 @@ class Linear:
         act_q8: bool = False,
     ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
-        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES
+        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES and cols % 32 == 0  # fp8: any cols
 
     @property
     def nbytes(self) -> int:
@@ -236,11 +236,24 @@ class Model:
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.layers = [self._load_layer(layer) for layer in spec.layers]
         layout = store.layout
-        self.expert_qtype = QType.parse(layout.qtype)
         self.d_ff = layout.d_ff
-        self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        # per layer (None = the default layout): tensor spans, (gate, up, down) types, act_q8
+        self._experts = {
+            key: self._expert_plan(store.layout_for(key) if key is not None else layout)
+            for key in [None, *store.moe_layers]
+        }
+        self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
 
     # ---- loading -------------------------------------------------------------------------
+    def _expert_plan(
+        self, layout: ExpertLayout
+    ) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
+        """(tensor name -> (offset, nbytes), (gate, up, down) qtypes, act_q8) of a layout."""
+        spans = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        qts = tuple(QType.parse(q) for q in layout.weight_qtypes)
+        blocks = layout.d_model % 32 == 0 and layout.d_ff % 32 == 0  # Q8_0 rows (fp8: any)
+        return spans, qts, self.act_q8 and blocks and all(q in ops.Q8_ACT_TYPES for q in qts)
+
     def _raw(
         self, name: str, shape: tuple[int, ...], widen: bool = False
     ) -> tuple[np.ndarray, QType]:
@@ -609,15 +622,22 @@ class Model:
             out += y[:n]
 
     def expert_ffn(
-        self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
+        self,
+        record: np.ndarray,
+        h: np.ndarray,
+        rows: np.ndarray,
+        weights: np.ndarray,
+        layer: int | None = None,
     ) -> np.ndarray:
         """One routed expert on the token rows routed to it: weights[r] * FFN(h[rows[r]]).
 
-        record: uint8 [record_nbytes] (a slab slot); rows int [m]; weights f32 [m].
+        record: uint8 [record nbytes] (a slab slot) of MoE layer `layer` (its layout:
+        Store.layout_for; None = the default layout); rows int [m]; weights f32 [m].
         Returns f32 [m, d_model].
         """
         m = self.spec.moe
-        part = {name: record[o : o + nb] for name, (o, nb) in self._record.items()}
+        spans, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        part = {name: record[o : o + nb] for name, (o, nb) in spans.items()}
         x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
         m_rows = len(rows)
         if m_rows % self.pad:
@@ -634,7 +654,7 @@ class Model:
             part["gate"],
             part["up"],
             part["down"],
-            self.expert_qtype,
+            qts[0],
             self.spec.d_model,
             self.d_ff,
             act=m.act,
@@ -645,8 +665,9 @@ class Model:
             accumulate=False,
             alpha=m.alpha,
             limit=m.limit,
-            act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
+            act_q8=act_q8,
             nthreads=self.nthreads,
+            qtypes=qts if len(set(qts)) > 1 else None,
         )
         return y[:m_rows]
 
