@@ -111,11 +111,20 @@ class Model:
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.layers = [self._load_layer(layer) for layer in spec.layers]
         layout = store.layout
-        self.expert_qtype = QType.parse(layout.qtype)
         self.d_ff = layout.d_ff
-        self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        # per layer (None = the default layout): tensor spans, (gate, up, down) types, act_q8
+        self._experts = {
+            key: self._expert_plan(store.layout_for(key) if key is not None else layout)
+            for key in [None, *store.moe_layers]
+        }
+        self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
 
     # ---- loading -------------------------------------------------------------------------
+    def _expert_plan(self, layout) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
+        spans = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        qts = tuple(QType.parse(q) for q in layout.weight_qtypes)
+        return spans, qts, self.act_q8 and all(q in ops.Q8_ACT_TYPES for q in qts)
+
     def _raw(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, QType]:
         if name not in self._names:
             raise StoreError(f"{self.store.path}: dense tensor {name!r} is missing")
@@ -370,15 +379,22 @@ class Model:
             out += y
 
     def expert_ffn(
-        self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
+        self,
+        record: np.ndarray,
+        h: np.ndarray,
+        rows: np.ndarray,
+        weights: np.ndarray,
+        layer: int | None = None,
     ) -> np.ndarray:
         """One routed expert on the token rows routed to it: weights[r] * FFN(h[rows[r]]).
 
-        record: uint8 [record_nbytes] (a slab slot); rows int [m]; weights f32 [m].
+        record: uint8 [record nbytes] (a slab slot) of MoE layer `layer` (its layout:
+        Store.layout_for; None = the default layout); rows int [m]; weights f32 [m].
         Returns f32 [m, d_model].
         """
         m = self.spec.moe
-        part = {name: record[o : o + nb] for name, (o, nb) in self._record.items()}
+        spans, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        part = {name: record[o : o + nb] for name, (o, nb) in spans.items()}
         x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
         y = np.empty((len(rows), self.spec.d_model), dtype=np.float32)
         bias = {
@@ -391,7 +407,7 @@ class Model:
             part["gate"],
             part["up"],
             part["down"],
-            self.expert_qtype,
+            qts[0],
             self.spec.d_model,
             self.d_ff,
             act=m.act,
@@ -402,8 +418,9 @@ class Model:
             accumulate=False,
             alpha=m.alpha,
             limit=m.limit,
-            act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
+            act_q8=act_q8,
             nthreads=self.nthreads,
+            qtypes=qts if len(set(qts)) > 1 else None,
         )
         return y
 

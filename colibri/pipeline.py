@@ -229,7 +229,9 @@ class Pipeline:
             x += out
         for e, lease in batch:
             tok, slot = np.nonzero(ids == e)
-            slots[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
+            slots[tok, slot] = self.model.expert_ffn(
+                lease.buffer, h, tok, weights[tok, slot], layer=i
+            )
         if last:
             for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
                 x += slots[:, j]
