@@ -26,6 +26,8 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "special_tokens_map.json",
 )
+# store types without a quantizer: only a GGUF's own bytes make them (ops.QUANTIZE_TYPES)
+IMPORT_ONLY = frozenset(("q2_k", "q3_k", "iq4_nl", "iq4_xs"))
 # dense tensors that always stay f32 whatever --dense-quant says (besides every 1-D tensor)
 _F32_NAMES = re.compile(
     r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
@@ -41,11 +43,12 @@ def dense_qtype(
     Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks, every
     tensor that is not 2-D and every name in `f32` (models.spec.f32_tensors: the spec's
     routers, whatever their names) stay f32; a 2-D weight whose columns are not a multiple of
-    32 falls back to f32 under a block `dense_quant`; everything else (attention, shared
+    the block size (32; 256 for the K-quants and iq4_xs) falls back to f32 under a block
+    `dense_quant`; everything else (attention, shared
     experts, embeddings, lm_head) uses `dense_quant`."""
     if len(shape) != 2 or name in f32 or _F32_NAMES.search(name):
         return "f32"
-    if dense_quant in BLOCK_QTYPES and shape[-1] % 32:
+    if dense_quant in BLOCK_QTYPES and shape[-1] % max(32, QTYPES[dense_quant][0]):
         return "f32"
     return dense_quant
 
@@ -121,7 +124,17 @@ def convert(
     for what, q in (("--quant", quant), ("--dense-quant", dense_quant)):
         if q not in QTYPES:
             raise ConversionError(f"{what} {q!r} unknown (valid: {', '.join(QTYPES)})")
+    if dense_quant in IMPORT_ONLY:
+        raise ConversionError(
+            f"--dense-quant {dense_quant!r} has no quantizer (an import-only type: a GGUF's "
+            f"expert tensors keep it); choose one of {', '.join(sorted(set(QTYPES) - IMPORT_ONLY))}"
+        )
     src, out = Path(src), Path(out)
+    if quant in IMPORT_ONLY and not src.is_file():
+        raise ConversionError(
+            f"--quant {quant!r} has no quantizer (an import-only type, kept from GGUF files); "
+            f"choose one of {', '.join(sorted(set(QTYPES) - IMPORT_ONLY))}"
+        )
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory")
     s, o = src.resolve(), out.resolve()
