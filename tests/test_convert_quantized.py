@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from colibri.compute import ref  # noqa: E402
+from colibri.compute import ops, ref  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.errors import ConversionError  # noqa: E402
 from colibri.io.format import fp8_unrows, open_store  # noqa: E402
@@ -268,3 +268,75 @@ def test_mxfp4_requantized(mxfp4_model, tmp_path):
     store = open_store(convert(src, tmp_path / "s", quant="q8_0", dense_quant="f32"))
     down = model.model.layers[1].mlp.experts.down_proj[3].detach().T.contiguous().numpy()
     assert np.array_equal(_record_tensor(store, 1, 3, "down"), ref.quantize(down, 8).reshape(-1))
+
+
+# ---- float sources into the new types ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral256(tmp_path_factory):
+    """A tiny random Mixtral (hub layout) with 256-wide rows, so K-quant blocks fit."""
+    model = hf_models.build("mixtral", seed=17, hidden_size=256, intermediate_size=256)
+    path = tmp_path_factory.mktemp("m256") / "hf"
+    model.save_pretrained(path, save_original_format=True)
+    return model, path
+
+
+@pytest.mark.parametrize("quant", ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mxfp4", "fp8"])
+def test_float_source_into_new_types(mixtral256, tmp_path, quant):
+    """--quant of every new type with a quantizer: each record holds colibri's quantization
+    of the float weights (gguf's bytes for q5_0/q5_1/mxfp4; the K-quants' error no worse than
+    the numpy port of ggml's reference quantizer on the same weights); the store runs close
+    to the f32 one, teacher-forced (q5_1 experts with q8_0 attention: the seed users'
+    choice)."""
+    from tests import ggml_kquant_ref
+
+    model, src = mixtral256
+    store = open_store(convert(src, tmp_path / "s", quant=quant, dense_quant="q8_0"))
+    assert store.layout.qtype == quant
+    w = model.model.layers[1].mlp.experts.down_proj[2].detach().numpy()  # [H, I]
+    got = _record_tensor(store, 1, 2, "down")
+    assert np.array_equal(got, ops.quantize(w, quant).reshape(-1))
+    if int(ops.QType[quant.upper()]) in ref.GGUF_QUANTIZE:
+        assert np.array_equal(got, ref.quantize(w, int(ops.QType[quant.upper()])).reshape(-1))
+    if quant in ("q4_k", "q5_k", "q6_k"):
+        ours = ops.dequantize(got, quant, w.shape)
+        theirs = ggml_kquant_ref.quantize_k(w, quant)
+        rmse, rmse_ref = (float(np.sqrt(np.mean((v - w) ** 2))) for v in (ours, theirs))
+        assert rmse <= rmse_ref * 1.002, (rmse, rmse_ref)
+    ids = hf_models.greedy(model, list(range(3, 3 + PROMPT_LEN)), PROMPT_LEN)
+    f32 = convert(src, tmp_path / "f32", quant="f32", dense_quant="f32")
+    p, q = _forced(f32, ids, "f32"), _forced(store.path, ids, "q8_0")  # teacher-forced
+    logp = p - np.logaddexp.reduce(p, axis=1, keepdims=True)
+    logq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
+    kl = float((np.exp(logp) * (logp - logq)).sum(axis=1).mean())
+    # random tiny models are sensitive (near-tied routers flip): bounds ~2x the KL measured,
+    # far below a broken decoder's (nats); the bytes above are the exact checks
+    assert kl < {"q4_k": 0.15, "mxfp4": 0.25}.get(quant, 0.06), kl
+
+
+def _forced(store: Path, ids: list[int], activations: str) -> np.ndarray:
+    """f64 [len(ids) - 1, vocab]: the engine's logits after each prefix of `ids`."""
+    from colibri.engine import open_engine
+
+    async def run() -> list[np.ndarray]:
+        async with open_engine(store, activations=activations) as engine:
+            seq = engine.new_sequence()
+            out = [await engine.forward(seq, ids[:1])]
+            for t in ids[1:-1]:
+                out.append(await engine.forward(seq, [t]))
+            return out
+
+    return np.stack(asyncio.run(run())).astype(np.float64)
+
+
+def test_import_only_and_unfit_types_refused(mixtral256, fp8_model, tmp_path):
+    _model, src = mixtral256
+    with pytest.raises(ConversionError, match="--quant 'q3_k' has no quantizer"):
+        convert(src, tmp_path / "a", quant="q3_k")
+    with pytest.raises(ConversionError, match="--dense-quant 'iq4_xs' has no quantizer"):
+        convert(src, tmp_path / "b", dense_quant="iq4_xs")
+    small = hf_models.save(hf_models.build("mixtral"), tmp_path / "small")  # hidden 64
+    with pytest.raises(ConversionError, match="--quant q4_k cannot hold the experts' rows of 64"):
+        convert(small, tmp_path / "c", quant="q4_k")
+    assert not list(tmp_path.glob("[abc]*"))

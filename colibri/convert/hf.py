@@ -522,7 +522,13 @@ def convert_hf(
     names = {k: v for k, v in text_names(ck, fam).items() if k not in sw.aux}
     experts, used, E, H, I = plan_experts(ck, fam, spec, names)  # noqa: E741
     dense = plan_dense(ck, fam, spec, fam.resolve_config(cfg), names, used, dense_quant)
-    layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
+    try:
+        layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
+    except StoreError as exc:
+        raise ConversionError(
+            f"{src}: --quant {quant} cannot hold the experts' rows of {H} (gate, up) and {I} "
+            f"(down) weights: {exc}"
+        ) from None
     total = sum(ck.nbytes(n) for n in ck.meta)
     bar = progress(total, f"convert {src.name}") if show_progress else None
     try:
