@@ -158,6 +158,12 @@ def _check_supported(store: Store) -> None:
                 f"{store.path}: config.{key} is {cfg.get(key)!r}, but llama.cpp's {g.name} "
                 f"assumes {value!r}"
             )
+    n_head = int(_cfg(cfg, "num_attention_heads"))
+    if g.requires_mha and int(_cfg(cfg, "num_key_value_heads", default=n_head)) != n_head:
+        raise ConversionError(
+            f"{store.path}: config.num_key_value_heads {cfg['num_key_value_heads']} != "
+            f"num_attention_heads {n_head}; llama.cpp's {g.name} has no grouped-query attention"
+        )
     spec = model_spec({**store.config, "model_type": store.model_type})
     window = max(layer.attention.window for layer in spec.layers)
     if window and window < spec.max_position_embeddings:

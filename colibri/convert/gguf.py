@@ -10,12 +10,13 @@ copied bit-exact (rows un-permuted where llama.cpp permuted Q/K for its rope), a
 dequantized by gguf and requantized.
 
 Architectures: every family with a GGUFArch (models/<model_type>.py; today GGUF "llama" with
-experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe). The config is rebuilt from GGUF
-metadata in HF spelling; each GGUF tensor's HF name is the one of the family's spec whose
-GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json is rebuilt from the
-GGUF vocabulary for byte-level BPE vocabularies with the Qwen2 pre-tokenizer (`tokenizer.ggml.
-model` "gpt2", `pre` "qwen2": Qwen2/Qwen3 GGUFs); others (SentencePiece "llama", other `pre`
-regexes) get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
+experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "olmoe" -> olmoe). The config is
+rebuilt from GGUF metadata in HF spelling; each GGUF tensor's HF name is the one of the
+family's spec whose GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json is rebuilt
+from the GGUF vocabulary for SentencePiece vocabularies (`tokenizer.ggml.model` "llama": Llama 2,
+Mistral, Mixtral) and byte-level BPE ones ("gpt2") with the `pre` "qwen2", "deepseek-llm" or
+"gpt-2" pre-tokenizer (llama.cpp's regexes, checked against its tokenization vectors); other
+vocabularies get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ _PRE_SPLITS: dict[str, list[str]] = {
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ],
+    "gpt-2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"],
     "deepseek-llm": [
         "[\r\n]",
         f"\\s?[{_DEEPSEEK_LETTERS}]+",

@@ -1,0 +1,114 @@
+"""export-gguf for OLMoE (llama.cpp arch "olmoe"): the GGUF holds the store's bytes, imports
+back into the same store, and llama.cpp on it agrees with transformers on the same weights
+(skipped where llama.cpp is not built)."""
+
+from __future__ import annotations
+
+import lzma
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGUFReader  # noqa: E402
+
+from colibri.convert import convert  # noqa: E402
+from colibri.export_gguf import export_gguf  # noqa: E402
+from colibri.io.format import open_store  # noqa: E402
+from tests.test_export_gguf import (  # noqa: E402
+    PROMPT,
+    SHARED,
+    _colibri_last_logits,
+    _llama_bin,
+    _llama_cpp_last_logits,
+)
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tmp_path_factory) -> Path:
+    """A tiny random HF OLMoE (norms perturbed; no clip_qkv and no GQA, which llama.cpp's
+    olmoe lacks) with a
+    byte-level BPE tokenizer trained here on real text (GPT-2 pre-tokenizer)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests import hf_models
+
+    text = SHARED / "text/olmoe_routing_c4_texts.txt.xz"
+    if not text.is_file():
+        pytest.skip(f"{text} absent")
+    lines = lzma.decompress(text.read_bytes()).decode("utf-8").splitlines()[:400]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=380, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(lines, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    model = hf_models.build(
+        "olmoe", seed=4, vocab_size=384, clip_qkv=None, rope_theta=1e4, num_key_value_heads=4
+    )
+    path = tmp_path_factory.mktemp("hf") / "tiny-olmoe"
+    model.save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("quant", "dense_quant"), [("f32", "f32"), ("q4_0", "q8_0"), ("q5_1", "q5_0")]
+)
+def test_olmoe_gguf_round_trip(olmoe_dir, tmp_path, quant, dense_quant):
+    store = convert(olmoe_dir, tmp_path / "s", quant=quant, dense_quant=dense_quant)
+    out = export_gguf(store, tmp_path / "o.gguf")
+    r = GGUFReader(out)
+    assert r.fields["general.architecture"].contents() == "olmoe"
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.0.ffn_gate_inp.weight"} <= names
+    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
+    first = open_store(store)
+    assert [x.xxh3 for x in back.records] == [x.xxh3 for x in first.records]
+    for name in first.dense_names():
+        a, b = first.dense(name)[0], back.dense(name)[0]
+        assert np.array_equal(a, b), name
+    assert back.config["norm_topk_prob"] is False
+    # the vocabulary comes back as a tokenizer.json that tokenizes like the original
+    from tokenizers import Tokenizer
+
+    orig = Tokenizer.from_file(str(olmoe_dir / "tokenizer.json"))
+    again = Tokenizer.from_file(str(back.path / "tokenizer.json"))
+    text = PROMPT + " l'été, 1234 tokens!\n\n  done"
+    assert again.encode(text).ids == orig.encode(text).ids
+
+
+def test_olmoe_llama_cpp_logits_match_transformers(olmoe_dir, tmp_path):
+    _llama_bin()
+    import torch
+    import transformers
+
+    store = convert(olmoe_dir, tmp_path / "s", quant="f32", dense_quant="f32")
+    path = export_gguf(store, tmp_path / "olmoe.gguf")
+    ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
+    tok = transformers.AutoTokenizer.from_pretrained(olmoe_dir)
+    assert ids == tok(PROMPT).input_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(got - ref).max()) <= 1e-4 * scale
+    ours = _colibri_last_logits(store, ids)
+    assert float(np.abs(ours - ref).max()) <= 1e-4 * scale
+
+
+def test_olmoe_with_gqa_refused(tmp_path):
+    from colibri.errors import ConversionError
+    from tests import hf_models
+
+    src = hf_models.save(hf_models.build("olmoe", clip_qkv=None), tmp_path / "hf")  # 2 kv heads
+    store = convert(src, tmp_path / "s", quant="q8_0", dense_quant="q8_0")
+    with pytest.raises(ConversionError, match="no grouped-query attention"):
+        export_gguf(store, tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
