@@ -196,6 +196,8 @@ def _add_hparams(w: Any, store: Store) -> None:
     else:  # qwen3moe: the experts' n_ff has its own key
         w.add_feed_forward_length(int(_cfg(cfg, "intermediate_size", default=store.layout.d_ff)))
         w.add_expert_feed_forward_length(store.layout.d_ff)
+    if g.shared_ff_key is not None:  # qwen2moe: the shared expert's n_ff
+        w.add_expert_shared_feed_forward_length(int(_cfg(cfg, "shared_expert_intermediate_size")))
     if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -10,13 +10,14 @@ copied bit-exact (rows un-permuted where llama.cpp permuted Q/K for its rope), a
 dequantized by gguf and requantized.
 
 Architectures: every family with a GGUFArch (models/<model_type>.py; today GGUF "llama" with
-experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "olmoe" -> olmoe). The config is
-rebuilt from GGUF metadata in HF spelling; each GGUF tensor's HF name is the one of the
-family's spec whose GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json is rebuilt
-from the GGUF vocabulary for SentencePiece vocabularies (`tokenizer.ggml.model` "llama": Llama 2,
-Mistral, Mixtral) and byte-level BPE ones ("gpt2") with the `pre` "qwen2", "deepseek-llm" or
-"gpt-2" pre-tokenizer (llama.cpp's regexes, checked against its tokenization vectors); other
-vocabularies get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
+experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "qwen2moe" -> qwen2_moe, "olmoe" ->
+olmoe). The config is rebuilt from GGUF metadata in HF spelling; each GGUF tensor's HF name is
+the one of the family's spec whose GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json
+is rebuilt from the GGUF vocabulary for SentencePiece vocabularies (`tokenizer.ggml.model`
+"llama": Llama 2, Mistral, Mixtral) and byte-level BPE ones ("gpt2") with the `pre` "qwen2",
+"deepseek-llm" or "gpt-2" pre-tokenizer (llama.cpp's regexes, checked against its tokenization
+vectors); other vocabularies get none, with a note. `tokenizer.chat_template` becomes
+chat_template.jinja.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _f32_decimal(v: Any) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06),
+    the way a config.json spells it."""
+    return float(str(np.float32(v)))
+
+
 def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
     architecture without experts or one not handled."""
@@ -114,8 +121,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         "num_key_value_heads": int(get("attention.head_count_kv", nh)),
         "head_dim": int(get("attention.key_length", H // nh)),
         "num_experts_per_tok": int(get("expert_used_count")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32_decimal(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32_decimal(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length")),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
@@ -124,6 +131,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     }
     if fam.d_ff_key != "intermediate_size":  # the dense MLP's size, when the arch has one
         cfg["intermediate_size"] = int(get("feed_forward_length", 0))
+    if g.shared_ff_key is not None:
+        cfg["shared_expert_intermediate_size"] = int(get(g.shared_ff_key))
     cfg.update(g.implied)
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")

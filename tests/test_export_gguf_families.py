@@ -1,6 +1,7 @@
-"""export-gguf for OLMoE (llama.cpp arch "olmoe"): the GGUF holds the store's bytes, imports
-back into the same store, and llama.cpp on it agrees with transformers on the same weights
-(skipped where llama.cpp is not built)."""
+"""export-gguf for the families beyond test_export_gguf.py's Mixtral and Qwen3-MoE: OLMoE
+(llama.cpp arch "olmoe") and Qwen2-MoE ("qwen2moe", shared expert and qkv biases). The GGUF
+imports back into the same store, and llama.cpp on it agrees with transformers on the same
+weights (skipped where llama.cpp is not built)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ from tests.test_export_gguf import (  # noqa: E402
     _llama_cpp_last_logits,
 )
 
+# family test case -> config overrides llama.cpp's arch needs (OLMoE: no clip_qkv, no GQA;
+# Qwen2-MoE: every layer sparse)
+CASES = {
+    "olmoe": dict(clip_qkv=None, num_key_value_heads=4),
+    "qwen2_moe": dict(mlp_only_layers=[]),
+}
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
 
-@pytest.fixture(scope="module")
-def olmoe_dir(tmp_path_factory) -> Path:
-    """A tiny random HF OLMoE (norms perturbed; no clip_qkv and no GQA, which llama.cpp's
-    olmoe lacks) with a
-    byte-level BPE tokenizer trained here on real text (GPT-2 pre-tokenizer)."""
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def model_dir(request, tmp_path_factory) -> Path:
+    """A tiny random HF model of the family (norms and biases perturbed) with a byte-level
+    BPE tokenizer trained here on real text (GPT-2 pre-tokenizer)."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -49,10 +57,9 @@ def olmoe_dir(tmp_path_factory) -> Path:
     )  # fmt: skip
     tok.train_from_iterator(lines, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    model = hf_models.build(
-        "olmoe", seed=4, vocab_size=384, clip_qkv=None, rope_theta=1e4, num_key_value_heads=4
-    )
-    path = tmp_path_factory.mktemp("hf") / "tiny-olmoe"
+    case = request.param
+    model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
+    path = tmp_path_factory.mktemp("hf") / f"tiny-{case}"
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return path
@@ -61,13 +68,15 @@ def olmoe_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("quant", "dense_quant"), [("f32", "f32"), ("q4_0", "q8_0"), ("q5_1", "q5_0")]
 )
-def test_olmoe_gguf_round_trip(olmoe_dir, tmp_path, quant, dense_quant):
-    store = convert(olmoe_dir, tmp_path / "s", quant=quant, dense_quant=dense_quant)
+def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
+    store = convert(model_dir, tmp_path / "s", quant=quant, dense_quant=dense_quant)
     out = export_gguf(store, tmp_path / "o.gguf")
     r = GGUFReader(out)
-    assert r.fields["general.architecture"].contents() == "olmoe"
+    case = model_dir.name.removeprefix("tiny-")
+    assert r.fields["general.architecture"].contents() == ARCH[case]
     names = {t.name for t in r.tensors}
-    assert {"blk.0.attn_q_norm.weight", "blk.0.ffn_gate_inp.weight"} <= names
+    want = {"olmoe": "blk.0.attn_q_norm.weight", "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight"}
+    assert {want[case], "blk.0.ffn_gate_inp.weight"} <= names
     back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
     first = open_store(store)
     assert [x.xxh3 for x in back.records] == [x.xxh3 for x in first.records]
@@ -75,26 +84,31 @@ def test_olmoe_gguf_round_trip(olmoe_dir, tmp_path, quant, dense_quant):
         a, b = first.dense(name)[0], back.dense(name)[0]
         assert np.array_equal(a, b), name
     assert back.config["norm_topk_prob"] is False
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "num_experts_per_tok", "intermediate_size", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size"]  # fmt: skip
+    for k in keys:
+        assert back.config.get(k) == first.config.get(k), k
     # the vocabulary comes back as a tokenizer.json that tokenizes like the original
     from tokenizers import Tokenizer
 
-    orig = Tokenizer.from_file(str(olmoe_dir / "tokenizer.json"))
+    orig = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     again = Tokenizer.from_file(str(back.path / "tokenizer.json"))
     text = PROMPT + " l'été, 1234 tokens!\n\n  done"
     assert again.encode(text).ids == orig.encode(text).ids
 
 
-def test_olmoe_llama_cpp_logits_match_transformers(olmoe_dir, tmp_path):
+def test_llama_cpp_logits_match_transformers(model_dir, tmp_path):
     _llama_bin()
     import torch
     import transformers
 
-    store = convert(olmoe_dir, tmp_path / "s", quant="f32", dense_quant="f32")
-    path = export_gguf(store, tmp_path / "olmoe.gguf")
+    store = convert(model_dir, tmp_path / "s", quant="f32", dense_quant="f32")
+    path = export_gguf(store, tmp_path / f"{model_dir.name}.gguf")
     ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
-    tok = transformers.AutoTokenizer.from_pretrained(olmoe_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert ids == tok(PROMPT).input_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1].numpy()
     scale = float(np.abs(ref).max())
