@@ -336,6 +336,8 @@ def test_import_only_and_unfit_types_refused(mixtral256, fp8_model, tmp_path):
         convert(src, tmp_path / "a", quant="q3_k")
     with pytest.raises(ConversionError, match="--dense-quant 'iq4_xs' has no quantizer"):
         convert(src, tmp_path / "b", dense_quant="iq4_xs")
+    with pytest.raises(ConversionError, match="--dense-quant keep is for GGUF sources"):
+        convert(src, tmp_path / "b", dense_quant="keep")
     small = hf_models.save(hf_models.build("mixtral"), tmp_path / "small")  # hidden 64
     with pytest.raises(ConversionError, match="--quant q4_k cannot hold the experts' rows of 64"):
         convert(small, tmp_path / "c", quant="q4_k")
