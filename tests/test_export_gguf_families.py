@@ -126,3 +126,23 @@ def test_olmoe_with_gqa_refused(tmp_path):
     with pytest.raises(ConversionError, match="no grouped-query attention"):
         export_gguf(store, tmp_path / "o.gguf")
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_fp8_store_exports_exact_f32(model_dir, tmp_path):
+    """fp8 has no GGML type: its tensors go out as their exact f32 values (the engine's)."""
+    from colibri.compute import ref
+
+    store = open_store(convert(model_dir, tmp_path / "s", quant="fp8", dense_quant="fp8"))
+    out = export_gguf(store.path, tmp_path / "o.gguf")
+    tensors = {t.name: t for t in GGUFReader(out).tensors}
+    t = tensors["blk.1.ffn_down_exps.weight"]
+    assert t.tensor_type.name == "F32"
+    spec = store.layout_for(1).tensors["down"]
+    rec = store.record(1, 3)
+    with open(store.experts_path, "rb") as f:
+        f.seek(rec.offset + spec.offset)
+        raw = np.frombuffer(f.read(spec.nbytes), np.uint8)
+    assert np.array_equal(np.asarray(t.data)[3], ref.fp8_dequantize(raw, spec.shape))
+    fp8_dense = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
+    assert fp8_dense
+    assert all(tensors[n].tensor_type.name == "F32" for n in tensors if "attn_v" in n)
