@@ -3,6 +3,9 @@
 Reads safetensors headers ourselves and each tensor (or one expert's slice of a fused tensor,
 or a run of rows) with one pread, so nothing is mapped and peak memory is about one expert in
 float32 plus one 64 MiB chunk of a dense tensor. bf16 is widened exactly (bits << 16).
+Checkpoints shipped quantized (config.json `quantization_config`: FP8 block-scaled `weight` +
+`weight_scale_inv`, gpt-oss MXFP4 `*_blocks` / `*_scales`) are decoded exactly, or kept as
+they are when `--quant` is their own type (SourceWeights, colibri.convert.quantized).
 
 Expert layouts are the family's (models/<model_type>.py, Family.experts; transformers 5.x
 `save_pretrained` with save_original_format True/False):
