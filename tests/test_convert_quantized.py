@@ -342,3 +342,23 @@ def test_import_only_and_unfit_types_refused(mixtral256, fp8_model, tmp_path):
     with pytest.raises(ConversionError, match="--quant q4_k cannot hold the experts' rows of 64"):
         convert(small, tmp_path / "c", quant="q4_k")
     assert not list(tmp_path.glob("[abc]*"))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 32)])
+def test_fp8_dequantize_any_block_grid(block):
+    """quantized.fp8_dequantize == torch's float8_e4m3fn widening x the repeated block scales,
+    for any weight_block_size and ragged edges, from any first row (chunked reads)."""
+    from colibri.convert.quantized import e4m3_to_f32, fp8_dequantize
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(150, 100, generator=g) * 50).to(torch.float8_e4m3fn)
+    br, bc = block
+    s = torch.rand(-(-150 // br), -(-100 // bc), generator=g) + 0.01
+    want = w.float() * s.repeat_interleave(br, 0)[:150].repeat_interleave(bc, 1)[:, :100]
+    raw = w.view(torch.uint8).numpy()
+    assert np.array_equal(e4m3_to_f32(np.arange(256, dtype=np.uint8)[:127]),
+                          torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                          .float().numpy())  # fmt: skip
+    assert np.array_equal(fp8_dequantize(raw, s.numpy(), block), want.numpy())
+    part = fp8_dequantize(raw[70:130], s.numpy(), block, first_row=70)
+    assert np.array_equal(part, want[70:130].numpy())
