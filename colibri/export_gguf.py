@@ -1,9 +1,12 @@
 """Export a colibri store to a GGUF file that llama.cpp loads, with the very same weight bytes.
 
 `python -m colibri.export_gguf STORE OUT.gguf` (or `colibri export-gguf`). The expert records'
-Q4_0/Q4_1/Q8_0 blocks become `blk.N.ffn_{gate,up,down}_exps.weight` stacked over experts, the
-dense tensors keep their stored type (norms and routers f32), so both engines run identical
-weights. Layout and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py):
+blocks become `blk.N.ffn_{gate,up,down}_exps.weight` stacked over experts, each tensor in its
+layer's stored type (every store type but fp8 is a GGML type, byte for byte: F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4, IQ4_NL, IQ4_XS; fp8, which GGML lacks, is
+written as its exact f32 values), the dense tensors keep their stored type (norms and routers
+f32), so both engines run identical weights. Layout and metadata follow llama.cpp's own
+converter (convert_hf_to_gguf.py):
 
 - Mixtral -> arch "llama" with `expert_count` / `expert_used_count`. llama.cpp's llama-arch
   RoPE rotates adjacent pairs (GGML's "normal" mode) where HF rotates halves, so, as the
@@ -80,6 +83,18 @@ def _ggml_type(qtype: str):
     return _gguf().GGMLQuantizationType[qtype.upper()]
 
 
+def gguf_qtype(qtype: str) -> str:
+    """The type a store tensor of `qtype` has in the GGUF: its own (every store type but fp8 is
+    a GGML type, byte for byte), fp8 (no GGML type) as its exact f32 values."""
+    return "f32" if qtype == "fp8" else qtype
+
+
+def _fp8_to_f32(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    from colibri.compute.ref import fp8_dequantize
+
+    return fp8_dequantize(np.ascontiguousarray(rows), shape)
+
+
 # ---- hyperparameters ---------------------------------------------------------------------
 
 
@@ -125,8 +140,16 @@ def _check_supported(store: Store) -> None:
             f"{store.path}: only stores whose every layer is MoE are exported "
             f"(MoE layers: {store.moe_layers})"
         )
-    if store.layout.qtype not in ("q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"):
-        raise ConversionError(f"{store.path}: expert qtype {store.layout.qtype!r} unsupported")
+    fp8 = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
+    fp8 += [
+        f"layer {k} experts" for k in store.moe_layers if "fp8" in store.layout_for(k).weight_qtypes
+    ]
+    if fp8:
+        print(
+            f"note: {store.path}: fp8 has no GGML type; {', '.join(fp8[:3])}"
+            f"{' …' if len(fp8) > 3 else ''} written as their exact f32 values",
+            file=sys.stderr,
+        )
     if set(store.layout.tensors) != {"gate", "up", "down"}:
         raise ConversionError(f"{store.path}: expert biases have no place in arch {g.arch}")
     for key, value in g.implied.items():
@@ -135,6 +158,12 @@ def _check_supported(store: Store) -> None:
                 f"{store.path}: config.{key} is {cfg.get(key)!r}, but llama.cpp's {g.name} "
                 f"assumes {value!r}"
             )
+    n_head = int(_cfg(cfg, "num_attention_heads"))
+    if g.requires_mha and int(_cfg(cfg, "num_key_value_heads", default=n_head)) != n_head:
+        raise ConversionError(
+            f"{store.path}: config.num_key_value_heads {cfg['num_key_value_heads']} != "
+            f"num_attention_heads {n_head}; llama.cpp's {g.name} has no grouped-query attention"
+        )
     spec = model_spec({**store.config, "model_type": store.model_type})
     window = max(layer.attention.window for layer in spec.layers)
     if window and window < spec.max_position_embeddings:
@@ -167,19 +196,35 @@ def _add_hparams(w: Any, store: Store) -> None:
     else:  # qwen3moe: the experts' n_ff has its own key
         w.add_feed_forward_length(int(_cfg(cfg, "intermediate_size", default=store.layout.d_ff)))
         w.add_expert_feed_forward_length(store.layout.d_ff)
+    if g.shared_ff_key is not None:  # qwen2moe: the shared expert's n_ff
+        w.add_expert_shared_feed_forward_length(int(_cfg(cfg, "shared_expert_intermediate_size")))
     if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    ftype = {
-        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-        "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-        "f32": gguf.LlamaFileType.ALL_F32,
-    }[store.layout.qtype]
-    w.add_file_type(ftype)
+    w.add_file_type(file_type(store))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+# llama.cpp's general.file_type by the experts' most common type (informational: each
+# tensor carries its own type; mixed K-quants are named like llama-quantize's _M mixes)
+_FILE_TYPES = {
+    "f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q4_0": "MOSTLY_Q4_0",
+    "q4_1": "MOSTLY_Q4_1", "q8_0": "MOSTLY_Q8_0", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
+    "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M", "q4_k": "MOSTLY_Q4_K_M",
+    "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K", "iq4_nl": "MOSTLY_IQ4_NL",
+    "iq4_xs": "MOSTLY_IQ4_XS", "mxfp4": "MOSTLY_MXFP4_MOE", "fp8": "ALL_F32",
+}  # fmt: skip
+
+
+def file_type(store: Store) -> Any:
+    """gguf.LlamaFileType for `store`: that of the most common expert weight type (ties: the
+    first in layer order), e.g. MOSTLY_Q4_K_M for a Q4_K_M import (Q4_K with some Q6_K)."""
+    counts: dict[str, int] = {}
+    for layer in store.moe_layers:
+        for q in store.layout_for(layer).weight_qtypes:
+            counts[q] = counts.get(q, 0) + 1
+    common = max(counts, key=lambda q: counts[q]) if counts else "f32"
+    return _gguf().LlamaFileType[_FILE_TYPES[common]]
 
 
 # ---- tensors -----------------------------------------------------------------------------
@@ -202,8 +247,10 @@ def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _dense_bytes(store: Store, name: str, permute_heads: int) -> np.ndarray:
     """A dense tensor as it goes into the GGUF: block qtypes as stored uint8 rows, floats in
     their stored width (f16 / bf16 narrowed back exactly), RoPE-permuted if asked."""
-    arr, qtype, _ = store.dense(name)
-    if qtype == "f16":
+    arr, qtype, shape = store.dense(name)
+    if qtype == "fp8":
+        arr = _fp8_to_f32(arr, shape)
+    elif qtype == "f16":
         arr = arr.astype(np.float16)
     elif qtype == "bf16":
         arr = (arr.view(np.uint32) >> 16).astype(np.uint16)
@@ -235,14 +282,15 @@ def _plan(store: Store) -> list[_Tensor]:
         qtype = store.dense_qtype(hf)
         shape = tuple(store.manifest["dense"][hf]["shape"])
         load = lambda n=hf, h=heads: _dense_bytes(store, n, h)  # noqa: E731
-        plan.append(_Tensor(f"{gname}.{suffix}", shape, qtype, load))
+        plan.append(_Tensor(f"{gname}.{suffix}", shape, gguf_qtype(qtype), load))
     for layer in store.moe_layers:
         stack = _ExpertStack(store, layer)
         for part, tensor in EXPERT_TENSORS.items():
-            spec = store.layout.tensors[part]
+            spec = store.layout_for(layer).tensors[part]
             gname = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, tensor)].format(bid=layer)
             shape = (store.num_experts, *spec.shape)
-            plan.append(_Tensor(f"{gname}.weight", shape, spec.qtype, stack.loader(part)))
+            qt = gguf_qtype(spec.qtype)
+            plan.append(_Tensor(f"{gname}.weight", shape, qt, stack.loader(part)))
     return plan
 
 
@@ -258,7 +306,7 @@ class _ExpertStack:
     def _read(self) -> np.ndarray:
         st = self.store
         recs = [st.record(self.layer, e) for e in range(st.num_experts)]
-        raw = np.empty((len(recs), st.layout.record_nbytes), np.uint8)
+        raw = np.empty((len(recs), st.layout_for(self.layer).record_nbytes), np.uint8)
         with open(st.experts_path, "rb", buffering=0) as f:
             for i, r in enumerate(recs):
                 if f.seek(r.offset) != r.offset or f.readinto(raw[i]) != r.nbytes:
@@ -272,11 +320,13 @@ class _ExpertStack:
         def load() -> np.ndarray:
             if self.raw is None:
                 self.raw = self._read()
-            spec = self.store.layout.tensors[part]
+            spec = self.store.layout_for(self.layer).tensors[part]
             out = np.ascontiguousarray(self.raw[:, spec.offset : spec.offset + spec.nbytes])
             self.left.discard(part)
             if not self.left:
                 self.raw = None
+            if spec.qtype == "fp8":
+                return _fp8_to_f32(out, (len(out), *spec.shape))
             dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(spec.qtype)
             return out.view(dtype) if dtype else out
 

@@ -68,12 +68,13 @@ def auto_class(case: str) -> Any:
     return transformers.AutoModelForCausalLM
 
 
-def build(model_type: str, seed: int = 0) -> Any:
-    """A tiny random *ForCausalLM of test case `model_type` (a CASES name) in f32 eval
-    mode, norms (around their init) and biases perturbed; DeepSeek/GLM
-    `e_score_correction_bias` (0 by default) and gpt-oss attention sinks are randomised too."""
+def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """A tiny random *ForCausalLM of test case `model_type` (a CASES name; config
+    `overrides` on top) in f32 eval mode, norms (around their init) and biases perturbed;
+    DeepSeek/GLM `e_score_correction_bias` (0 by default) and gpt-oss attention sinks are
+    randomised too."""
     torch.manual_seed(seed)
-    model = auto_class(model_type).from_config(config(model_type)).float().eval()
+    model = auto_class(model_type).from_config(config(model_type, **overrides)).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

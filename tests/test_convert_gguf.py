@@ -141,12 +141,12 @@ def test_gguf_dense_q8_0_copied_or_requantized(tmp_path):
         np.testing.assert_array_equal(arr, gq(hf[name], gguf.GGMLQuantizationType.Q8_0))
 
 
-def test_gguf_kquant_expert_refused(tmp_path):
+def test_gguf_unsupported_expert_type_refused(tmp_path):
     src = tmp_path / "k.gguf"
-    kq = np.zeros((E, I, 144), np.uint8)  # one Q4_K block (256 weights) a row
-    write_gguf(src, extra={"blk.9.ffn_gate_exps.weight": (kq, gguf.GGMLQuantizationType.Q4_K)})
+    kq = np.zeros((E, I, 66), np.uint8)  # one IQ2_XXS block (256 weights) a row
+    write_gguf(src, extra={"blk.9.ffn_gate_exps.weight": (kq, gguf.GGMLQuantizationType.IQ2_XXS)})
     with pytest.raises(ConversionError, match=r"not supported yet: tensor blk\.9\.ffn_gate_exps"
-                       r"\.weight has type Q4_K"):  # fmt: skip
+                       r"\.weight has type IQ2_XXS"):  # fmt: skip
         convert(src, tmp_path / "out", show_progress=False)
     assert not list(tmp_path.glob("out*"))
 
@@ -233,11 +233,41 @@ def test_gguf_tokenizer_rebuilt_matches_llama_cpp_vectors():
     assert tok.encode("<|im_start|>user").ids[0] == 151644  # special token kept whole
 
 
-def test_gguf_spm_vocab_gets_no_tokenizer_json(capsys):
-    path = VOCAB / "ggml-vocab-llama-spm.gguf"
+@pytest.mark.parametrize("vocab", ["llama-spm", "deepseek-llm"])
+def test_gguf_spm_and_deepseek_tokenizers_match_llama_cpp_vectors(vocab):
+    """SentencePiece ("llama": byte fallback, space prefix, score-ranked merges) and the
+    deepseek-llm pre-tokenizer (six chained regex splits) reproduce llama.cpp's vectors."""
+    path = VOCAB / f"ggml-vocab-{vocab}.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} absent")
+    from tokenizers import Tokenizer
+
+    from colibri.convert.gguf import gguf_tokenizer_files
+
+    meta = gguf_metadata(path)
+    tok = Tokenizer.from_str(dict(gguf_tokenizer_files(meta, path))["tokenizer.json"].decode())
+    inputs = path.with_suffix(".gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    outputs = path.with_suffix(".gguf.out").read_text().split("\n")
+    assert len(inputs) > 30
+    for text, ids in zip(inputs, outputs, strict=False):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(x) for x in ids.split()], text
+    tokens = meta["tokenizer.ggml.tokens"]
+    control = [
+        t for t, ty in zip(tokens, meta["tokenizer.ggml.token_type"], strict=True) if ty == 3
+    ]
+    assert control and tok.encode(control[0] + "hi", add_special_tokens=False).ids[
+        0
+    ] == tokens.index(control[0])  # special tokens kept whole
+    text = "Hello world \U0001f999 ok" + (" wörld" if vocab == "llama-spm" else "")
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+
+
+def test_gguf_unknown_pre_tokenizer_gets_no_tokenizer_json(capsys):
+    path = VOCAB / "ggml-vocab-qwen2.gguf"
     if not path.is_file():
         pytest.skip(f"{path} absent")
     from colibri.convert.gguf import gguf_tokenizer_files
 
-    assert gguf_tokenizer_files(gguf_metadata(path), path) == []
+    meta = dict(gguf_metadata(path), **{"tokenizer.ggml.pre": "falcon"})
+    assert [n for n, _ in gguf_tokenizer_files(meta, path)] == ["chat_template.jinja"]
     assert "no tokenizer.json made" in capsys.readouterr().err

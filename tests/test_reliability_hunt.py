@@ -164,7 +164,8 @@ def test_expert_width_not_a_block_multiple(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(hf_models.CASES, "mixtral", (model_type, extra | {"intermediate_size": 40}))
     src = hf_models.save(hf_models.build("mixtral"), tmp_path / "hf")
     line = cli_error(capsys, "convert", src, tmp_path / "out", "--quant", "q4_0")
-    assert f"{src}: experts of hidden_size 64 x d_ff 40 cannot be stored as --quant q4_0" in line
+    assert f"{src}: --quant q4_0 cannot hold the experts' rows of 64 (gate, up) and 40" in line
+    assert "q4_0 needs a multiple of 32 columns, got 40" in line
     assert not leftovers(tmp_path, "out")
     assert main(["convert", str(src), str(tmp_path / "out"), "--quant", "f16"]) == 0
 

@@ -26,6 +26,10 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "special_tokens_map.json",
 )
+# store types without a quantizer: only a GGUF's own bytes make them (ops.QUANTIZE_TYPES)
+IMPORT_ONLY = frozenset(("q2_k", "q3_k", "iq4_nl", "iq4_xs"))
+# --dense-quant KEEP (GGUF sources): each dense tensor keeps the GGUF's own type
+KEEP = "keep"
 # dense tensors that always stay f32 whatever --dense-quant says (besides every 1-D tensor)
 _F32_NAMES = re.compile(
     r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
@@ -41,11 +45,12 @@ def dense_qtype(
     Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks, every
     tensor that is not 2-D and every name in `f32` (models.spec.f32_tensors: the spec's
     routers, whatever their names) stay f32; a 2-D weight whose columns are not a multiple of
-    32 falls back to f32 under a block `dense_quant`; everything else (attention, shared
+    the block size (32; 256 for the K-quants and iq4_xs) falls back to f32 under a block
+    `dense_quant`; everything else (attention, shared
     experts, embeddings, lm_head) uses `dense_quant`."""
     if len(shape) != 2 or name in f32 or _F32_NAMES.search(name):
         return "f32"
-    if dense_quant in BLOCK_QTYPES and shape[-1] % 32:
+    if dense_quant in BLOCK_QTYPES and shape[-1] % max(32, QTYPES[dense_quant][0]):
         return "f32"
     return dense_quant
 
@@ -115,13 +120,26 @@ def convert(
 ) -> Path:
     """Convert the checkpoint at `src` (HF directory or .gguf file) into a store at `out`.
 
-    `quant`: expert weight type; `dense_quant`: type of dense 2-D weights (see dense_qtype).
+    `quant`: expert weight type (a GGUF's experts keep their types); `dense_quant`: type of
+    dense 2-D weights (see dense_qtype), or "keep" for a GGUF's own types.
     Raises ConversionError (unsupported or inconsistent source) or StoreError (OUT exists
     without `force`); on any error nothing is left at OUT or OUT.tmp-*."""
     for what, q in (("--quant", quant), ("--dense-quant", dense_quant)):
-        if q not in QTYPES:
+        if q not in QTYPES and not (what == "--dense-quant" and q == KEEP):
             raise ConversionError(f"{what} {q!r} unknown (valid: {', '.join(QTYPES)})")
+    if dense_quant in IMPORT_ONLY:
+        raise ConversionError(
+            f"--dense-quant {dense_quant!r} has no quantizer (an import-only type: a GGUF's "
+            f"expert tensors keep it); choose one of {', '.join(sorted(set(QTYPES) - IMPORT_ONLY))}"
+        )
     src, out = Path(src), Path(out)
+    if dense_quant == KEEP and not src.is_file():
+        raise ConversionError("--dense-quant keep is for GGUF sources (it keeps their types)")
+    if quant in IMPORT_ONLY and not src.is_file():
+        raise ConversionError(
+            f"--quant {quant!r} has no quantizer (an import-only type, kept from GGUF files); "
+            f"choose one of {', '.join(sorted(set(QTYPES) - IMPORT_ONLY))}"
+        )
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory")
     s, o = src.resolve(), out.resolve()
@@ -147,7 +165,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory or .gguf file")
     p.add_argument("out", metavar="OUT", help="store directory to create")
     p.add_argument("--quant", default="q4_0", choices=list(QTYPES), help="expert weights")
-    p.add_argument("--dense-quant", default="q8_0", choices=list(QTYPES), help="dense 2-D weights")
+    p.add_argument(
+        "--dense-quant",
+        default="q8_0",
+        choices=[*QTYPES, KEEP],
+        help="dense 2-D weights (keep: a GGUF's own types)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
 
 

@@ -1,18 +1,23 @@
 """GGUF files -> store, read with the `gguf` package's GGUFReader.
 
 Expert tensors `blk.N.ffn_{gate,up,down}_exps.weight` (GGML dims [H, I, E] / [I, H, E], i.e.
-row-major [E, I, H] / [E, H, I]) in Q4_0, Q4_1, Q8_0, F16, BF16 or F32 are copied into records
-byte for byte, no requantization. Dense tensors are renamed to their HF names; a dense tensor
-already in its target storage type is copied bit-exact (rows un-permuted where llama.cpp
-permuted Q/K for its rope), any other is dequantized by gguf and requantized.
+row-major [E, I, H] / [E, H, I]) in any GGML type the store has (F32, F16, BF16, Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4, IQ4_NL, IQ4_XS) are copied into records byte for byte, no
+requantization; each layer's record layout has its tensors' own types (Q4_K_M keeps some
+layers' ffn_down_exps in Q6_K; io.format.plan_layouts). Dense tensors are renamed to their HF
+names; a dense tensor already in its target storage type (`--dense-quant keep`: its own) is
+copied bit-exact (rows un-permuted where llama.cpp permuted Q/K for its rope), any other is
+dequantized by gguf and requantized.
 
 Architectures: every family with a GGUFArch (models/<model_type>.py; today GGUF "llama" with
-experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe). The config is rebuilt from GGUF
-metadata in HF spelling; each GGUF tensor's HF name is the one of the family's spec whose
-GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json is rebuilt from the
-GGUF vocabulary for byte-level BPE vocabularies with the Qwen2 pre-tokenizer (`tokenizer.ggml.
-model` "gpt2", `pre` "qwen2": Qwen2/Qwen3 GGUFs); others (SentencePiece "llama", other `pre`
-regexes) get none, with a note. `tokenizer.chat_template` becomes chat_template.jinja.
+experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "qwen2moe" -> qwen2_moe, "olmoe" ->
+olmoe). The config is rebuilt from GGUF metadata in HF spelling; each GGUF tensor's HF name is
+the one of the family's spec whose GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json
+is rebuilt from the GGUF vocabulary for SentencePiece vocabularies (`tokenizer.ggml.model`
+"llama": Llama 2, Mistral, Mixtral) and byte-level BPE ones ("gpt2") with the `pre` "qwen2",
+"deepseek-llm" or "gpt-2" pre-tokenizer (llama.cpp's regexes, checked against its tokenization
+vectors); other vocabularies get none, with a note. `tokenizer.chat_template` becomes
+chat_template.jinja.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from colibri.convert import dense_qtype, progress, quantize
+from colibri.convert import KEEP, dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
 from colibri.io.config import ConfigError, check_config
-from colibri.io.format import ExpertLayout, StoreWriter
+from colibri.io.format import QTYPES, ExpertLayout, StoreWriter, plan_layouts
 from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import FAMILIES, model_spec
@@ -35,19 +40,53 @@ from colibri.registry import FAMILIES, model_spec
 # GGUF general.architecture -> colibri family
 GGUF_ARCHS: dict[str, Family] = {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
 
-_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-_TYPES["Q8_0"] = "q8_0"
+# GGML type name -> store qtype: every GGML type the store holds byte for byte
+_TYPES = {q.upper(): q for q in QTYPES if q != "fp8"}
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
-_PRE_REGEX = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre: each splits
+# every piece the previous ones left, matches kept as pieces of their own ("isolated")
+_DEEPSEEK_LETTERS = (  # llama-vocab.cpp's letter class, escaped (NFC would change it)
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-"
+    "\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-"
+    "\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5"
+    "\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00"
+    "-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-"
+    "\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-"
+    "\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-"
+    "\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149"
+    "\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13"
+    "-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943"
+)
+_PRE_SPLITS: dict[str, list[str]] = {
+    "qwen2": [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
+    "gpt-2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"],
+    "deepseek-llm": [
+        "[\r\n]",
+        f"\\s?[{_DEEPSEEK_LETTERS}]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        "\\s+$",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        "\\p{N}+",
+    ],
 }
+_PRE_REGEX = {k: v[0] for k, v in _PRE_SPLITS.items() if len(v) == 1}  # single-regex ones
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def _f32_decimal(v: Any) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06),
+    the way a config.json spells it."""
+    return float(str(np.float32(v)))
 
 
 def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
@@ -83,8 +122,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         "num_key_value_heads": int(get("attention.head_count_kv", nh)),
         "head_dim": int(get("attention.key_length", H // nh)),
         "num_experts_per_tok": int(get("expert_used_count")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32_decimal(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32_decimal(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length")),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
@@ -93,6 +132,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     }
     if fam.d_ff_key != "intermediate_size":  # the dense MLP's size, when the arch has one
         cfg["intermediate_size"] = int(get("feed_forward_length", 0))
+    if g.shared_ff_key is not None:
+        cfg["shared_expert_intermediate_size"] = int(get(g.shared_ff_key))
     cfg.update(g.implied)
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
@@ -120,38 +161,98 @@ def hf_names(fam: Family, spec: ModelSpec) -> dict[str, str]:
 
 def gguf_tokenizer_files(meta: dict[str, Any], path: Path) -> list[tuple[str, bytes]]:
     """[(file name, contents)] from GGUF metadata `meta` (key -> value): tokenizer.json
-    rebuilt from the vocabulary when it is a byte-level BPE with a known pre-tokenizer (see
-    _PRE_REGEX), and chat_template.jinja from tokenizer.chat_template."""
+    rebuilt from the vocabulary (SentencePiece "llama" vocabularies, and byte-level BPE
+    "gpt2" ones with a known pre-tokenizer, see _PRE_SPLITS), and chat_template.jinja from
+    tokenizer.chat_template. Other vocabularies get no tokenizer.json, with a note."""
     files = []
     template = meta.get("tokenizer.chat_template")
     if template:
         files.append(("chat_template.jinja", template.encode()))
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if model != "gpt2" or pre not in _PRE_REGEX:
+    if model == "llama":
+        tok = _spm_tokenizer(meta)
+    elif model == "gpt2" and pre in _PRE_SPLITS:
+        tok = _bpe_tokenizer(meta, _PRE_SPLITS[pre], nfc=pre == "qwen2")
+    else:
         print(
             f"note: {path}: no tokenizer.json made (tokenizer.ggml.model {model!r}, pre {pre!r};"
-            " only byte-level BPE with pre 'qwen2' is rebuilt)",
+            f" rebuilt are 'llama' (SentencePiece) and 'gpt2' with pre "
+            f"{', '.join(map(repr, _PRE_SPLITS))})",
             file=sys.stderr,
         )
         return files
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    files.append(("tokenizer.json", tok.to_str().encode()))
+    return files
+
+
+def _add_special(tok: Any, tokens: list[str], types: list[int]) -> None:
+    from tokenizers import AddedToken
+
+    # token_type 3 = CONTROL (special), 4 = USER_DEFINED (llama.cpp's llama_token_type)
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True)
+         if ty == 3]
+    )  # fmt: skip
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=True)
+         if ty == 4]
+    )  # fmt: skip
+
+
+def _bpe_tokenizer(meta: dict[str, Any], splits: list[str], nfc: bool) -> Any:
+    """Byte-level BPE (GPT-2 style): the vocabulary and merges as they are, llama.cpp's
+    pre-tokenizer regexes as isolated Splits, then the byte-to-unicode map."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers as pt
 
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
-    tok.normalizer = normalizers.NFC()
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pt.Sequence(
-        [pt.Split(Regex(_PRE_REGEX[pre]), "isolated"), pt.ByteLevel(False, use_regex=False)]
+        [pt.Split(Regex(r), "isolated") for r in splits] + [pt.ByteLevel(False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    # token_type 3 = CONTROL, 4 = USER_DEFINED (llama.cpp's llama_token_type)
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True)
-         if ty in (3, 4)]
+    _add_special(tok, tokens, types)
+    return tok
+
+
+def _spm_tokenizer(meta: dict[str, Any]) -> Any:
+    """SentencePiece vocabulary (tokenizer.ggml.model "llama") as a byte-fallback BPE, the way
+    transformers' LlamaConverter builds one: a merge (a, b) for every split of a normal token
+    into two vocabulary pieces, ranked by the merged token's score (highest first), which is
+    the pair llama.cpp's SPM tokenizer merges first; spaces become "▁", with one "▁" in front
+    of every text run when `add_space_prefix` (default true); unknown characters fall back to
+    their <0xXX> byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, i in vocab.items():
+        if types[i] != 1:  # NORMAL pieces only
+            continue
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]  # fmt: skip
+        local.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+        merges += [(a, b, scores[i]) for a, b in local]
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable: ties keep vocabulary order
+    unk = next((t for t, ty in zip(tokens, types, strict=True) if ty == 2), None)
+    bpe = models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk, fuse_unk=True,
+                     byte_fallback=True)  # fmt: skip
+    tok = Tokenizer(bpe)
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        norm.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(norm)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
     )  # fmt: skip
-    files.append(("tokenizer.json", tok.to_str().encode()))
-    return files
+    _add_special(tok, tokens, types)
+    return tok
 
 
 def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -165,7 +266,9 @@ def convert_gguf(
     src: Path, out: Path, quant: str, dense_quant: str, force: bool, show_progress: bool
 ) -> Path:
     """Convert GGUF file `src` into a store at `out` (see the module docstring). `quant` is
-    ignored for experts (their GGUF type is kept); `dense_quant` applies to dense weights."""
+    ignored for experts (their GGUF types are kept, per layer and tensor: mixed quants get
+    per-layer layouts); `dense_quant` applies to dense weights, "keep" keeps each one's GGUF
+    type (as f32 where colibri needs f32: norms, routers)."""
     from gguf import GGUFReader
 
     try:
@@ -199,7 +302,7 @@ def convert_gguf(
             want = [H, I, E] if m[2] != "down" else [I, H, E]  # GGML order: ne0 = columns
             if [int(x) for x in t.shape] != want:
                 raise ConversionError(
-                    f"{src}: tensor {t.name} has GGML shape {list(t.shape)}, "
+                    f"{src}: tensor {t.name} has GGML shape {[int(x) for x in t.shape]}, "
                     f"metadata implies {want}"
                 )
             experts.setdefault(int(m[1]), {})[m[2]] = t
@@ -211,27 +314,32 @@ def convert_gguf(
         raise ConversionError(
             f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
         )
-    types = set()
+    per_layer = {}
     for layer, parts in experts.items():
         for role in ("gate", "up", "down"):
             if role not in parts:
                 raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{role}_exps.weight")
-            types.add(_TYPES[parts[role].tensor_type.name])
-    if len(types) != 1:
-        raise ConversionError(f"{src}: expert tensors mix types {sorted(types)}; not supported yet")
-    qtype = types.pop()
-    if quant != qtype:
-        print(f"note: experts keep the GGUF's {qtype} (--quant {quant} ignored)", file=sys.stderr)
-    layout = ExpertLayout.build(qtype, H, I)
+        qtypes = {role: _TYPES[parts[role].tensor_type.name] for role in ("gate", "up", "down")}
+        per_layer[layer] = ExpertLayout.build(qtypes["gate"], H, I, qtypes=qtypes)
+    layout, overrides = plan_layouts(per_layer)
+    kinds = sorted({q for lay in per_layer.values() for q in lay.weight_qtypes})
+    if quant not in kinds or len(kinds) > 1:
+        print(
+            f"note: experts keep the GGUF's types ({', '.join(kinds)}; --quant {quant} ignored)",
+            file=sys.stderr,
+        )
     dense.sort(key=lambda x: (int(x[0].split(".")[2]) if ".layers." in x[0] else -1, x[0]))
     plan = []
     for hf, t in dense:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         if len(shape) == 2 and shape[0] == 1 and hf.endswith("norm.weight"):
             shape = shape[1:]
-        plan.append((hf, dense_qtype(hf, shape, dense_quant, f32), shape, t))
+        want = dense_quant
+        if dense_quant == KEEP:  # the GGUF's own type where the store has it
+            want = _TYPES.get(t.tensor_type.name, "f32")
+        plan.append((hf, dense_qtype(hf, shape, want, f32), shape, t))
     total = sum(int(t.n_bytes) for t in reader.tensors)
-    with StoreWriter(out, layout, force=force) as w:
+    with StoreWriter(out, layout, force=force, layouts=overrides) as w:
         w.begin_dense([(hf, qt, shape) for hf, qt, shape, _ in plan])
         bar = progress(total, f"convert {src.name}") if show_progress else None
         for hf, qt, shape, t in plan:

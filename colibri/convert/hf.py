@@ -3,6 +3,9 @@
 Reads safetensors headers ourselves and each tensor (or one expert's slice of a fused tensor,
 or a run of rows) with one pread, so nothing is mapped and peak memory is about one expert in
 float32 plus one 64 MiB chunk of a dense tensor. bf16 is widened exactly (bits << 16).
+Checkpoints shipped quantized (config.json `quantization_config`: FP8 block-scaled `weight` +
+`weight_scale_inv`, gpt-oss MXFP4 `*_blocks` / `*_scales`) are decoded exactly, or kept as
+they are when `--quant` is their own type (SourceWeights, colibri.convert.quantized).
 
 Expert layouts are the family's (models/<model_type>.py, Family.experts; transformers 5.x
 `save_pretrained` with save_original_format True/False):
@@ -31,14 +34,32 @@ from typing import Any
 import numpy as np
 
 from colibri.convert import TOKENIZER_FILES, dense_qtype, progress, quantize
+from colibri.convert.quantized import (
+    FP8_STORE_BLOCK,
+    SourceQuant,
+    check_fp8_scale,
+    e4m3_to_f32,
+    fp8_dequantize,
+    mxfp4_dequantize,
+    mxfp4_to_ggml,
+    source_quant,
+)
 from colibri.errors import ConversionError, StoreError
 from colibri.io.config import ConfigError, check_config, text_view
-from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
+from colibri.io.format import ExpertLayout, StoreWriter, fp8_rows, read_safetensors_header
 from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import family, model_spec
 
-_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+# safetensors dtype -> numpy dtype of the stored elements; F8_E4M3 (FP8 checkpoints) and U8
+# (gpt-oss MXFP4 blocks / scales) are kept as bytes (colibri.convert.quantized decodes them)
+_DTYPES = {
+    "BF16": np.uint16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F8_E4M3": np.uint8,
+    "U8": np.uint8,
+}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _CHUNK_BYTES = 64 << 20  # dense tensors are converted this many source bytes at a time
 
@@ -61,7 +82,8 @@ def expert_patterns(fam: Family) -> tuple[re.Pattern[str] | None, re.Pattern[str
     if ex.per_expert is not None:
         projs = "|".join(re.escape(p) for p in role_of)
         per = _pattern(ex.per_expert, layer=r"\d+", expert=r"\d+", proj=projs)
-    fused = _pattern(ex.fused + ".{w}{b}", layer=r"\d+", w="gate_up_proj|down_proj", b="(?:_bias)?")
+    b = "(?:_bias|_blocks|_scales)?"  # _blocks / _scales: gpt-oss MXFP4
+    fused = _pattern(ex.fused + ".{w}{b}", layer=r"\d+", w="gate_up_proj|down_proj", b=b)
     return per, fused, role_of
 
 
@@ -104,7 +126,8 @@ class Checkpoint:
                 dtype, shape = info["dtype"], tuple(info["shape"])
                 if dtype not in _DTYPES:
                     raise ConversionError(
-                        f"{path}: tensor {name!r} has dtype {dtype}; supported: BF16, F16, F32"
+                        f"{path}: tensor {name!r} has dtype {dtype}; supported: "
+                        + ", ".join(_DTYPES)
                     )
                 b, e = info["data_offsets"]
                 if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize:
@@ -121,9 +144,13 @@ class Checkpoint:
         _, dtype, shape, _ = self.meta[name]
         return int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
 
-    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
-        """float32 [count, *shape[1:]]: rows first..first+count of the leading dim (default
-        the whole tensor), read with one pread and widened exactly."""
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype ("BF16", "F8_E4M3", ...)."""
+        return self.meta[name][1]
+
+    def read_raw(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """The stored elements of rows first..first+count of the leading dim (default the
+        whole tensor), one pread: uint16 bf16 bits, float16, float32 or uint8 (F8_E4M3, U8)."""
         path, dtype, shape, start = self.meta[name]
         npdt = np.dtype(_DTYPES[dtype])
         if not shape:
@@ -135,9 +162,18 @@ class Checkpoint:
             raw = os.pread(f.fileno(), nb, start + first * inner * npdt.itemsize)
         if len(raw) != nb:
             raise ConversionError(f"{path}: tensor {name!r} is cut short (truncated file)")
-        a = np.frombuffer(raw, dtype=npdt).reshape(count, *shape[1:])
+        return np.frombuffer(raw, dtype=npdt).reshape(count, *shape[1:])
+
+    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """float32 [count, *shape[1:]]: rows first..first+count of the leading dim (default
+        the whole tensor), read with one pread and widened exactly (F8_E4M3: the e4m3
+        values, without their block scales; see colibri.convert.quantized)."""
+        a = self.read_raw(name, first, count)
+        dtype = self.meta[name][1]
         if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
+        if dtype == "F8_E4M3":
+            return e4m3_to_f32(a)
         return a.astype(np.float32)
 
 
@@ -221,7 +257,18 @@ def plan_experts(
             used |= set(got.values())
             continue
         got = fused[layer]
-        if fam.experts.fused_layout == "interleaved_t":
+        if fam.experts.fused_layout == "interleaved_t" and "gate_up_proj_blocks" in got:
+            if H % 32 or I % 32:
+                raise ConversionError(f"{ck.src}: MXFP4 experts need d_model, d_ff % 32 == 0")
+            need = {  # hub MXFP4: [E, out, in / 32, 16] blocks, [E, out, in / 32] E8M0 scales
+                "gate_up_proj_blocks": (E, 2 * I, H // 32, 16),
+                "gate_up_proj_scales": (E, 2 * I, H // 32),
+                "down_proj_blocks": (E, H, I // 32, 16),
+                "down_proj_scales": (E, H, I // 32),
+                "gate_up_proj_bias": (E, 2 * I),
+                "down_proj_bias": (E, H),
+            }
+        elif fam.experts.fused_layout == "interleaved_t":
             need = {
                 "gate_up_proj": (E, H, 2 * I),
                 "down_proj": (E, I, H),
@@ -299,24 +346,121 @@ def plan_dense(
     return out
 
 
-def _expert_parts(ck: Checkpoint, spec: dict[str, Any], e: int, I: int) -> dict[str, np.ndarray]:  # noqa: E741
-    """Float32 gate [I, H], up [I, H], down [H, I] (+ biases) of expert `e`."""
+class SourceWeights:
+    """A checkpoint's weights decoded from the source's own quantization (config.json
+    `quantization_config`, colibri.convert.quantized): FP8 `X.weight` + `X.weight_scale_inv`
+    pairs dequantized exactly or kept as store `fp8` rows; everything else as Checkpoint.read.
+
+    Raises ConversionError (naming the tensor) for an F8_E4M3 weight without its scales, a
+    scale without its F8_E4M3 weight or of the wrong grid, FP8 / U8 tensors the config's
+    quantization does not explain."""
+
+    def __init__(self, ck: Checkpoint, sq: SourceQuant | None) -> None:
+        self.ck, self.sq = ck, sq
+        self.scale_of: dict[str, str] = {}  # FP8 weight name -> its weight_scale_inv name
+        method = sq.method if sq else None
+        for name in ck.meta:
+            if not name.endswith(".weight_scale_inv"):
+                continue
+            weight = name[: -len("_scale_inv")]
+            if weight not in ck.meta or ck.dtype(weight) != "F8_E4M3":
+                raise ConversionError(f"{ck.meta[name][0]}: {name!r} has no F8_E4M3 {weight!r}")
+            if sq is None or method != "fp8":
+                raise ConversionError(
+                    f"{ck.src}: tensor {weight!r} is FP8 but config.json has no "
+                    "quantization_config with quant_method 'fp8'"
+                )
+            check_fp8_scale(weight, ck.shape(weight), ck.shape(name), sq.block)
+            self.scale_of[weight] = name
+        for name in ck.meta:
+            dtype = ck.dtype(name)
+            if dtype == "F8_E4M3" and name not in self.scale_of:
+                raise ConversionError(
+                    f"{ck.meta[name][0]}: F8_E4M3 tensor {name!r} has no {name}_scale_inv"
+                )
+            if dtype == "U8" and (method != "mxfp4" or not name.endswith(("_blocks", "_scales"))):
+                raise ConversionError(
+                    f"{ck.meta[name][0]}: tensor {name!r} is U8; only MXFP4 experts' _blocks / "
+                    "_scales (quantization_config quant_method 'mxfp4') are"
+                )
+        self.aux = set(self.scale_of.values())  # tensors read only as part of another
+
+    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """float32 rows first..first+count of `name` (FP8: e4m3 x block scale, exactly)."""
+        if name not in self.scale_of:
+            return self.ck.read(name, first, count)
+        assert self.sq is not None
+        scale = self.ck.read(self.scale_of[name])
+        return fp8_dequantize(self.ck.read_raw(name, first, count), scale, self.sq.block, first)
+
+    def keeps_fp8(self, name: str) -> bool:
+        """Whether `name` is FP8 with 128x128 blocks, i.e. its bytes fit the store's fp8."""
+        return name in self.scale_of and self.sq is not None and self.sq.block == (128, 128)
+
+    def fp8_rows(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """The store's fp8 rows (io.format.fp8_rows) of rows first.. (a multiple of 128) of
+        FP8 tensor `name`: its e4m3 bytes and block scales, unchanged."""
+        w = self.ck.read_raw(name, first, count)
+        b = FP8_STORE_BLOCK
+        scale = self.ck.read(self.scale_of[name])[first // b : first // b + -(-len(w) // b)]
+        return fp8_rows(w, scale)
+
+    def stored(self, name: str, qtype: str) -> np.ndarray:
+        """Tensor `name` in store type `qtype`: kept byte for byte when the source already is
+        in it (fp8), else quantized from the exactly decoded float32 values."""
+        if qtype == "fp8" and self.keeps_fp8(name):
+            return self.fp8_rows(name)
+        x = self.read(name)
+        return x if qtype == "f32" else quantize(x, qtype)
+
+
+def _expert_parts(
+    sw: SourceWeights,
+    spec: dict[str, Any],
+    e: int,
+    I: int,  # noqa: E741
+    quant: str,
+) -> dict[str, np.ndarray]:
+    """Expert `e`'s gate [I, H], up [I, H], down [H, I] in store type `quant` (+ f32 biases):
+    source bytes kept where they already are `quant` (FP8 as fp8, MXFP4 as mxfp4), else
+    quantized from the exactly decoded float32 weights."""
+    ck = sw.ck
     if "per" in spec:
-        return {role: ck.read(spec["per"][(e, role)]) for role in ("gate", "up", "down")}
+        return {role: sw.stored(spec["per"][(e, role)], quant) for role in ("gate", "up", "down")}
     f = spec["fused"]
+    if "gate_up_proj_blocks" in f:  # gpt-oss MXFP4: rows [2I] interleaved gate/up, [H]
+        gub, gus = (
+            ck.read_raw(f[k], e, 1)[0] for k in ("gate_up_proj_blocks", "gate_up_proj_scales")
+        )
+        dnb, dns = (ck.read_raw(f[k], e, 1)[0] for k in ("down_proj_blocks", "down_proj_scales"))
+        parts = {}
+        for role, b, s in (("gate", gub[0::2], gus[0::2]), ("up", gub[1::2], gus[1::2]),
+                           ("down", dnb, dns)):  # fmt: skip
+            if quant == "mxfp4":
+                parts[role] = mxfp4_to_ggml(b, s)
+            else:
+                parts[role] = quantize(mxfp4_dequantize(b, s), quant)
+        gb = ck.read(f["gate_up_proj_bias"], e, 1)[0]
+        parts |= {"gate_bias": gb[0::2], "up_bias": gb[1::2]}
+        parts["down_bias"] = ck.read(f["down_proj_bias"], e, 1)[0]
+        return parts
     gu = ck.read(f["gate_up_proj"], e, 1)[0]
     down = ck.read(f["down_proj"], e, 1)[0]
     if "gate_up_proj_bias" not in f:  # [2I, H]: gate rows then up rows
-        return {"gate": gu[:I], "up": gu[I:], "down": down}
-    gb = ck.read(f["gate_up_proj_bias"], e, 1)[0]
-    return {  # gpt-oss: [H, 2I] interleaved, down [I, H]: transpose to y = W x
-        "gate": gu[:, 0::2].T,
-        "up": gu[:, 1::2].T,
-        "down": down.T,
-        "gate_bias": gb[0::2],
-        "up_bias": gb[1::2],
-        "down_bias": ck.read(f["down_proj_bias"], e, 1)[0],
-    }
+        parts = {"gate": gu[:I], "up": gu[I:], "down": down}
+    else:
+        gb = ck.read(f["gate_up_proj_bias"], e, 1)[0]
+        parts = {  # gpt-oss: [H, 2I] interleaved, down [I, H]: transpose to y = W x
+            "gate": gu[:, 0::2].T,
+            "up": gu[:, 1::2].T,
+            "down": down.T,
+            "gate_bias": gb[0::2],
+            "up_bias": gb[1::2],
+            "down_bias": ck.read(f["down_proj_bias"], e, 1)[0],
+        }
+    for k in ("gate", "up", "down"):  # biases stay f32
+        parts[k] = quantize(parts[k], quant)
+    return parts
 
 
 def copy_tokenizer(src: Path, w: StoreWriter) -> None:
@@ -393,14 +537,23 @@ def convert_hf(
     except StoreError as exc:
         raise ConversionError(f"{cfg_path}: {exc}") from None
     model_type = fam.model_type
+    sq = source_quant(cfg, cfg_path)
+    sw = SourceWeights(ck, sq)
+    if sq is not None and sq.method == "fp8" and quant == "fp8" and sq.block != (128, 128):
+        print(
+            f"note: {cfg_path}: weight_block_size {list(sq.block)} is not the store's 128x128; "
+            "FP8 experts are requantized into 128x128 blocks from their exact values",
+            file=sys.stderr,
+        )
+    names = {k: v for k, v in names.items() if k not in sw.aux}
     experts, used, E, H, I = plan_experts(ck, fam, spec, names)  # noqa: E741
     dense = plan_dense(ck, fam, spec, fam.resolve_config(cfg), names, used, dense_quant)
     try:
         layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
-    except StoreError as exc:  # block formats need columns (d_model, d_ff) in 32s
+    except StoreError as exc:  # block formats need columns (d_model, d_ff) in their blocks
         raise ConversionError(
-            f"{src}: experts of hidden_size {H} x d_ff {I} cannot be stored as --quant {quant}: "
-            f"{exc}; use f16, bf16 or f32"
+            f"{src}: --quant {quant} cannot hold the experts' rows of {H} (gate, up) and {I} "
+            f"(down) weights: {exc}"
         ) from None
     total = sum(ck.nbytes(n) for n in ck.meta)
     bar = progress(total, f"convert {src.name}") if show_progress else None
@@ -410,17 +563,22 @@ def convert_hf(
             for name, store, qt, shape in dense:
                 rows = shape[0] if shape else 1
                 step = max(1, _CHUNK_BYTES // max(1, ck.nbytes(name) // rows))
+                keep = qt == "fp8" and sw.keeps_fp8(name)  # FP8 bytes kept as they are
+                if keep:
+                    step = -(-step // FP8_STORE_BLOCK) * FP8_STORE_BLOCK
                 for r in range(0, rows, step):
-                    x = ck.read(name, r, min(step, rows - r)) if shape else ck.read(name)
+                    n = min(step, rows - r)
+                    if keep:
+                        w.write_dense(store, sw.fp8_rows(name, r, n))
+                        continue
+                    x = sw.read(name, r, n) if shape else sw.read(name)
                     w.write_dense(store, quantize(x, qt) if qt != "f32" else x)
                 _tick(bar, ck.nbytes(name), 1, len(ck.meta))
             for layer, spec in experts.items():
                 for e in range(E):
-                    parts = _expert_parts(ck, spec, e, I)
-                    for k in ("gate", "up", "down"):  # biases stay f32
-                        parts[k] = quantize(parts[k], quant)
-                    w.write_expert(layer, e, parts)
+                    w.write_expert(layer, e, _expert_parts(sw, spec, e, I, quant))
                 names = _names(spec)
+                names += [sw.scale_of[n] for n in names if n in sw.scale_of]
                 _tick(bar, sum(ck.nbytes(n) for n in names), len(names), len(ck.meta))
             copy_tokenizer(src, w)
             return w.finish(model_type, cfg, {"kind": "hf", "name": src.name})

@@ -52,7 +52,10 @@ class GGUFArch:
     permuted head by head (convert_hf_to_gguf.py LlamaModel.permute).
     expert_ff_key: the GGUF key holding the experts' d_ff ("feed_forward_length" or
     "expert_feed_forward_length"); implied: config values llama.cpp's arch assumes (the
-    exporter refuses a store whose resolved config differs; the importer writes them).
+    exporter refuses a store whose resolved config differs; the importer writes them);
+    requires_mha: the arch has no grouped-query attention (num_key_value_heads must equal
+    num_attention_heads to export). shared_ff_key: the GGUF key of the shared expert's d_ff
+    (config `shared_expert_intermediate_size`), for archs with one.
     """
 
     arch: str
@@ -61,6 +64,10 @@ class GGUFArch:
     rope_permute: bool = False
     expert_ff_key: str = "expert_feed_forward_length"
     implied: dict[str, Any] = field(default_factory=dict)
+    # llama.cpp's arch sizes k_norm to n_embd (olmoe): no grouped-query attention
+    requires_mha: bool = False
+    # the GGUF key of the shared expert's d_ff (qwen2moe), read from shared_expert_...
+    shared_ff_key: str | None = None
 
 
 @dataclass(frozen=True)

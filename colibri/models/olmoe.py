@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.family import Family
+from colibri.models.family import Family, GGUFArch
 from colibri.models.spec import (
     LayerSpec,
     ModelSpec,
@@ -58,6 +58,14 @@ FAMILY = Family(
     aliases={"num_local_experts": "num_experts"},
     num_experts_key="num_experts",
     d_ff_key="intermediate_size",
+    gguf=GGUFArch(  # llama.cpp's olmoe: NeoX RoPE, q/k norm over the projection, no biases
+        arch="OLMOE",
+        name="olmoe",
+        architectures="OlmoeForCausalLM",
+        expert_ff_key="feed_forward_length",
+        implied={"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False},
+        requires_mha=True,
+    ),
     test_configs={
         "olmoe": dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0),
     },

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.family import Family
+from colibri.models.family import Family, GGUFArch
 from colibri.models.spec import (
     LayerSpec,
     ModelSpec,
@@ -99,6 +99,19 @@ FAMILY = Family(
     },
     num_experts_key="num_experts",
     d_ff_key="moe_intermediate_size",
+    gguf=GGUFArch(  # llama.cpp's qwen2moe: NeoX RoPE, qkv biases, sigmoid-gated shared expert
+        arch="QWEN2MOE",
+        name="qwen2moe",
+        architectures="Qwen2MoeForCausalLM",
+        shared_ff_key="expert_shared_feed_forward_length",
+        implied={
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "qkv_bias": True,
+            "use_sliding_window": False,
+        },
+    ),
     test_configs={
         "qwen2_moe": dict(
             intermediate_size=128,

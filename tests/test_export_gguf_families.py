@@ -1,0 +1,148 @@
+"""export-gguf for the families beyond test_export_gguf.py's Mixtral and Qwen3-MoE: OLMoE
+(llama.cpp arch "olmoe") and Qwen2-MoE ("qwen2moe", shared expert and qkv biases). The GGUF
+imports back into the same store, and llama.cpp on it agrees with transformers on the same
+weights (skipped where llama.cpp is not built)."""
+
+from __future__ import annotations
+
+import lzma
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGUFReader  # noqa: E402
+
+from colibri.convert import convert  # noqa: E402
+from colibri.export_gguf import export_gguf  # noqa: E402
+from colibri.io.format import open_store  # noqa: E402
+from tests.test_export_gguf import (  # noqa: E402
+    PROMPT,
+    SHARED,
+    _colibri_last_logits,
+    _llama_bin,
+    _llama_cpp_last_logits,
+)
+
+# family test case -> config overrides llama.cpp's arch needs (OLMoE: no clip_qkv, no GQA;
+# Qwen2-MoE: every layer sparse)
+CASES = {
+    "olmoe": dict(clip_qkv=None, num_key_value_heads=4),
+    "qwen2_moe": dict(mlp_only_layers=[]),
+}
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def model_dir(request, tmp_path_factory) -> Path:
+    """A tiny random HF model of the family (norms and biases perturbed) with a byte-level
+    BPE tokenizer trained here on real text (GPT-2 pre-tokenizer)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests import hf_models
+
+    text = SHARED / "text/olmoe_routing_c4_texts.txt.xz"
+    if not text.is_file():
+        pytest.skip(f"{text} absent")
+    lines = lzma.decompress(text.read_bytes()).decode("utf-8").splitlines()[:400]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=380, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(lines, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    case = request.param
+    model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
+    path = tmp_path_factory.mktemp("hf") / f"tiny-{case}"
+    model.save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("quant", "dense_quant"), [("f32", "f32"), ("q4_0", "q8_0"), ("q5_1", "q5_0")]
+)
+def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
+    store = convert(model_dir, tmp_path / "s", quant=quant, dense_quant=dense_quant)
+    out = export_gguf(store, tmp_path / "o.gguf")
+    r = GGUFReader(out)
+    case = model_dir.name.removeprefix("tiny-")
+    assert r.fields["general.architecture"].contents() == ARCH[case]
+    names = {t.name for t in r.tensors}
+    want = {"olmoe": "blk.0.attn_q_norm.weight", "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight"}
+    assert {want[case], "blk.0.ffn_gate_inp.weight"} <= names
+    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
+    first = open_store(store)
+    assert [x.xxh3 for x in back.records] == [x.xxh3 for x in first.records]
+    for name in first.dense_names():
+        a, b = first.dense(name)[0], back.dense(name)[0]
+        assert np.array_equal(a, b), name
+    assert back.config["norm_topk_prob"] is False
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "num_experts_per_tok", "intermediate_size", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size"]  # fmt: skip
+    for k in keys:
+        assert back.config.get(k) == first.config.get(k), k
+    # the vocabulary comes back as a tokenizer.json that tokenizes like the original
+    from tokenizers import Tokenizer
+
+    orig = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    again = Tokenizer.from_file(str(back.path / "tokenizer.json"))
+    text = PROMPT + " l'été, 1234 tokens!\n\n  done"
+    assert again.encode(text).ids == orig.encode(text).ids
+
+
+def test_llama_cpp_logits_match_transformers(model_dir, tmp_path):
+    _llama_bin()
+    import torch
+    import transformers
+
+    store = convert(model_dir, tmp_path / "s", quant="f32", dense_quant="f32")
+    path = export_gguf(store, tmp_path / f"{model_dir.name}.gguf")
+    ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert ids == tok(PROMPT).input_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(got - ref).max()) <= 1e-4 * scale
+    ours = _colibri_last_logits(store, ids)
+    assert float(np.abs(ours - ref).max()) <= 1e-4 * scale
+
+
+def test_olmoe_with_gqa_refused(tmp_path):
+    from colibri.errors import ConversionError
+    from tests import hf_models
+
+    src = hf_models.save(hf_models.build("olmoe", clip_qkv=None), tmp_path / "hf")  # 2 kv heads
+    store = convert(src, tmp_path / "s", quant="q8_0", dense_quant="q8_0")
+    with pytest.raises(ConversionError, match="no grouped-query attention"):
+        export_gguf(store, tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_fp8_store_exports_exact_f32(model_dir, tmp_path):
+    """fp8 has no GGML type: its tensors go out as their exact f32 values (the engine's)."""
+    from colibri.compute import ref
+
+    store = open_store(convert(model_dir, tmp_path / "s", quant="fp8", dense_quant="fp8"))
+    out = export_gguf(store.path, tmp_path / "o.gguf")
+    tensors = {t.name: t for t in GGUFReader(out).tensors}
+    t = tensors["blk.1.ffn_down_exps.weight"]
+    assert t.tensor_type.name == "F32"
+    spec = store.layout_for(1).tensors["down"]
+    rec = store.record(1, 3)
+    with open(store.experts_path, "rb") as f:
+        f.seek(rec.offset + spec.offset)
+        raw = np.frombuffer(f.read(spec.nbytes), np.uint8)
+    assert np.array_equal(np.asarray(t.data)[3], ref.fp8_dequantize(raw, spec.shape))
+    fp8_dense = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
+    assert fp8_dense
+    assert all(tensors[n].tensor_type.name == "F32" for n in tensors if "attn_v" in n)
