@@ -43,7 +43,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 def config(case: str, **overrides: Any) -> Any:
     """The transformers config of test case `case` (COMMON + its overrides + `overrides`)."""
     model_type, extra = CASES[case]
-    return transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
+    hf_type = registry.family(model_type).text_model_type or model_type  # kimi_k2: deepseek_v3
+    return transformers.AutoConfig.for_model(hf_type, **{**COMMON, **extra, **overrides})
 
 
 def build(model_type: str, seed: int = 0) -> Any:
@@ -64,12 +65,59 @@ def build(model_type: str, seed: int = 0) -> Any:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid scores are in (0, 1)
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    model.colibri_family = CASES[model_type][0]  # save() writes that family's layout
     return model
 
 
 def save(model: Any, path: Path, **kwargs: Any) -> Path:
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    family_layout(model, path)
     return path
+
+
+def family_layout(model: Any, path: Path) -> None:
+    """A checkpoint saved by the transformers class of another model_type (the family's
+    text_model_type, e.g. Kimi K2's DeepseekV3ForCausalLM; `model.colibri_family` set by
+    build()) rewritten as the family's hub checkpoint: config.json's model_type is the
+    family's; a multimodal family's (text_prefixes) config becomes its text_config, the
+    language model's tensors (every shard, and the index) take the first source prefix that
+    maps onto them, and a vision-tower tensor is added (the converter must drop it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    family = getattr(model, "colibri_family", None)
+    if family is None or family == model.config.model_type:
+        return
+    fam = registry.family(family)
+    cfg = json.loads((path / "config.json").read_text())
+    if not fam.text_prefixes:
+        (path / "config.json").write_text(json.dumps({**cfg, "model_type": fam.model_type}))
+        return
+
+    def hub(name: str) -> str:
+        src, dst = next((s, d) for s, d in fam.text_prefixes if name.startswith(d))
+        return src + name[len(dst) :]
+
+    shards = sorted(path.glob("*.safetensors"))
+    for i, shard in enumerate(shards):
+        tensors = {hub(name): t for name, t in load_file(shard).items()}
+        if i == 0:
+            tensors["vision_tower.patch_embed.proj.weight"] = torch.ones((8, 3))
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        idx["weight_map"] = {hub(k): v for k, v in idx["weight_map"].items()}
+        idx["weight_map"]["vision_tower.patch_embed.proj.weight"] = shards[0].name
+        index.write_text(json.dumps(idx))
+    outer = {
+        "model_type": fam.model_type,
+        "text_config": cfg,
+        "vision_config": {"hidden_size": 8},
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+    }
+    (path / "config.json").write_text(json.dumps(outer))
 
 
 def router_gap(model: Any, ids: list[int]) -> float:

@@ -131,7 +131,7 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
         )
     else:
         assert a.mla.q_lora_rank == hf.q_lora_rank and a.mla.kv_lora_rank == hf.kv_lora_rank
-    inv_freq, scaling = _rotary(model_type, hf)
+    inv_freq, scaling = _rotary(fam.text_model_type or model_type, hf)
     np.testing.assert_allclose(a.inv_freq, inv_freq, rtol=1e-6)
     assert a.mscale == pytest.approx(scaling, rel=1e-9)
     # sliding windows: layer_types where the class has them, else Qwen3-MoE's rule
