@@ -213,7 +213,8 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     cfg = config(model_type, vocab_size=50304)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(path, safe_serialization=True)
+    model.colibri_family = CASES[model_type][0]
+    save(model, path)
     (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

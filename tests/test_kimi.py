@@ -81,3 +81,53 @@ async def test_kimi_k25_text_part_matches_transformers(tmp_path, capsys):
     assert tokens == expected
     ref = logits[len(ids) - 1 : -1]
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+KIMI_TEMPLATE = hf_models.SHARED / "chat_templates" / "Kimi-K2-Instruct.jinja"
+DEEPSEEK_TOKENIZER = hf_models.SHARED / "tokenizers" / "deepseek_v3"
+
+
+def test_kimi_k2_chat_with_its_real_template(tmp_path):
+    """`colibri run --chat` on a kimi_k2 store (hub config model_type "kimi_k2") carrying Kimi
+    K2's real chat template and the DeepSeek-V3 tokenizer (Kimi's own is tiktoken, not in
+    shared/data): the prompt is transformers' rendering and the text is the decoding of
+    transformers' greedy tokens for it."""
+    import json
+    import lzma
+    import subprocess
+    import sys
+
+    if not (KIMI_TEMPLATE.exists() and (DEEPSEEK_TOKENIZER / "tokenizer.json.xz").exists()):
+        pytest.skip("shared data missing: Kimi-K2 template or DeepSeek-V3 tokenizer")
+    src = tmp_path / "hf"
+    cfg = hf_models.config("kimi_k2", vocab_size=129280)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.colibri_family = "kimi_k2"
+    hf_models.save(model, src)
+    assert json.loads((src / "config.json").read_text())["model_type"] == "kimi_k2"
+    (src / "tokenizer.json").write_bytes(
+        lzma.decompress((DEEPSEEK_TOKENIZER / "tokenizer.json.xz").read_bytes())
+    )
+    template = KIMI_TEMPLATE.read_text(encoding="utf-8")
+    tok_cfg = {"eos_token": "<｜end▁of▁sentence｜>", "chat_template": template}
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    convert(src, tmp_path / "store", quant="f32", dense_quant="f32")
+    prompt = "What does multi-head latent attention cache?"
+    res = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", str(tmp_path / "store"), "--chat", "-p",
+         prompt, "-n", "6", "--temperature", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"))
+    messages = [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_user|>user<|im_middle|>" in text and text.endswith("<|im_middle|>")
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert f"[{len(ids)} prompt + 6 generated tokens" in res.stderr, res.stderr
+    gen = hf_models.greedy(model, ids, 6)
+    if hf_models.choice_gap(model, ids + gen) > 1e-4:  # else a near-tie may flip
+        assert res.stdout.endswith(tok.decode(gen)), (res.stdout, tok.decode(gen))
