@@ -32,6 +32,11 @@ def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
     return np.concatenate([x, np.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
 
 
+# MLA kv_b_proj storage types read as stored (ops.mla_absorb_q / mla_values); others are
+# dequantized to f32 at load (f32 itself: the f32 arrays are the stored values, same output).
+MLA_KV_B_QTYPES = frozenset((QType.Q4_0, QType.Q4_1, QType.Q8_0))
+
+
 class Linear:
     """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
     act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0.
@@ -286,9 +291,12 @@ class Model:
         return lin
 
     def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
-        """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] is kept absorbed, f32:
-        w_uk [n_heads, nope, rank] (maps a query's nope part into the latent space) and
-        w_uv_t [n_heads, rank, v] (maps an attention output over latents to values)."""
+        """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] stored in a block type
+        (MLA_KV_B_QTYPES) stays so, as the Linear "kv_b" (its bytes resident, read per head by
+        ops.mla_absorb_q / mla_values); stored float (f32, or f16/bf16 widened by the store) it
+        is kept absorbed, f32: w_uk [n_heads, nope, rank] (maps a query's nope part into the
+        latent space) and w_uv_t [n_heads, rank, v] (maps an attention output over latents to
+        values)."""
         a, d, n = spec.attention, self.spec.d_model, spec.names
         m, H = a.mla, a.n_heads
         r, nope = m.kv_lora_rank, m.qk_nope_head_dim
@@ -304,6 +312,9 @@ class Model:
         kv_b = self._linear(n["kv_b"], H * (nope + a.v_head_dim), r)
         if kv_b.bias is not None:
             raise StoreError(f"{self.store.path}: {n['kv_b']}.bias is not expected (MLA)")
+        if kv_b.qtype in MLA_KV_B_QTYPES and kv_b.w.dtype == np.uint8:
+            w["kv_b"] = kv_b  # read in its block type by ops.mla_absorb_q / mla_values
+            return w | {"o": self._linear(n["o"], d, H * a.v_head_dim)}
         full = ops.dequantize(kv_b.w, kv_b.qtype, (kv_b.rows, r)).reshape(H, -1, r)
         w["w_uk"] = np.ascontiguousarray(full[:, :nope, :])
         w["w_uv_t"] = np.ascontiguousarray(full[:, nope:, :].transpose(0, 2, 1))
@@ -568,7 +579,14 @@ class Model:
         cache[pos0 : pos0 + n, 0, :r] = latent
         cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
         q_abs = np.empty((n, H, r + rope), dtype=np.float32)
-        q_abs[:, :, :r] = np.matmul(q[:, :, :nope].transpose(1, 0, 2), w["w_uk"]).transpose(1, 0, 2)
+        if "kv_b" in w:
+            ops.mla_absorb_q(
+                w["kv_b"].w, w["kv_b"].qtype, q, q_abs, nope=nope, dv=a.v_head_dim, rank=r,
+                nthreads=self.nthreads,
+            )  # fmt: skip
+        else:
+            uk = np.matmul(q[:, :, :nope].transpose(1, 0, 2), w["w_uk"])  # [H, n, rank]
+            q_abs[:, :, :r] = uk.transpose(1, 0, 2)
         q_abs[:, :, r:] = q_rope
         # values are the cache entries themselves: the rope part of the output is ignored
         out = np.empty((n, H, r + rope), dtype=np.float32)
@@ -576,8 +594,24 @@ class Model:
             out, q_abs, cache, cache, n_kv=pos0 + n, q_pos0=pos0, scale=a.scale,
             nthreads=self.nthreads,
         )  # fmt: skip
+        if "kv_b" in w:
+            return self._mla_values(w["kv_b"], out, nope, r, a.v_head_dim)
         v = np.matmul(out[:, :, :r].transpose(1, 0, 2), w["w_uv_t"])  # [H, n, v_head_dim]
         return np.ascontiguousarray(v.transpose(1, 0, 2))
+
+    def _mla_values(
+        self, kv_b: Linear, out: np.ndarray, nope: int, rank: int, dv: int
+    ) -> np.ndarray:
+        """W_UV_h of the attention output over latents out f32 [n, H, rank + rope], kv_b_proj
+        read in its block type; Q8_0 activations when the model uses them (kv_b.act_q8).
+        Returns f32 [n, H, dv]."""
+        v = np.empty((*out.shape[:2], dv), dtype=np.float32)
+        if kv_b.act_q8:
+            xq = ops.quantize_act(np.ascontiguousarray(out[:, :, :rank]))
+            return ops.mla_values_q8(kv_b.w, kv_b.qtype, xq, v, nope=nope, nthreads=self.nthreads)
+        return ops.mla_values(
+            kv_b.w, kv_b.qtype, out, v, nope=nope, rank=rank, nthreads=self.nthreads
+        )
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
         """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""

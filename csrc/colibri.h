@@ -154,3 +154,24 @@ int clb_gated_delta_rule(float *out, float *state, const float *q, const float *
                          const float *v, const float *g, const float *beta, int64_t n,
                          int64_t n_heads, int64_t n_k_heads, int64_t dk, int64_t dv,
                          int nthreads);
+
+/* ---- MLA kv_b_proj in its storage type (mla.c, arch/mla_simd.inc) -------------------------
+ * kv_b: W [n_heads * (nope + dv), rank] in qtype (any clb_qtype; rank a multiple of 32 for the
+ * block formats), DeepSeek-V2's kv_b_proj: head h's rows are W_UK_h [nope, rank] then
+ * W_UV_h [dv, rank]. Threads over heads.
+ * clb_mla_absorb_q: q_abs[t, h, 0:rank] = sum_{j < nope} q[t, h, j] W_UK_h[j, :], the absorbed
+ *   query W_UK_h^T q_nope; q: f32 [n, n_heads, dq] (the first nope of each head are read),
+ *   q_abs: f32 [n, n_heads, dout] (the first rank of each head are written). f32 activations.
+ * clb_mla_values: out[t, h, :] = W_UV_h lat[t, h, 0:rank]; lat: f32 [n, n_heads, dl];
+ *   out: f32 [n, n_heads, dv].
+ * clb_mla_values_q8: the same on Q8_0 activations (see clb_matmul_q8): xq holds n * n_heads
+ *   rows of clb_row_nbytes(CLB_QTYPE_Q8_0, rank) bytes (head h of token t at row t n_heads + h);
+ *   qtype Q4_0 or Q8_0 (else CLB_EQTYPE). */
+int clb_mla_absorb_q(int qtype, float *q_abs, const void *kv_b, const float *q, int64_t n,
+                     int64_t n_heads, int64_t nope, int64_t dv, int64_t rank, int64_t dq,
+                     int64_t dout, int nthreads);
+int clb_mla_values(int qtype, float *out, const void *kv_b, const float *lat, int64_t n,
+                   int64_t n_heads, int64_t nope, int64_t dv, int64_t rank, int64_t dl,
+                   int nthreads);
+int clb_mla_values_q8(int qtype, float *out, const void *kv_b, const void *xq, int64_t n,
+                      int64_t n_heads, int64_t nope, int64_t dv, int64_t rank, int nthreads);

@@ -48,22 +48,24 @@ def config(case: str, **overrides: Any) -> Any:
     n, types = kw.get("num_hidden_layers"), kw.get("layer_types")
     if types is not None and len(types) != n:  # the depth was overridden: repeat the pattern
         kw["layer_types"] = [types[i % len(types)] for i in range(n)]
-    if registry.family(model_type).text_model_type is not None:
+    if "vision_config" in kw:
         # multimodal: the language model under text_config, the case's tiny vision tower
-        vision = kw.pop("vision_config", None)
+        vision = kw.pop("vision_config")
         return transformers.AutoConfig.for_model(
             model_type,
             text_config=kw,
             vision_config=vision,
             tie_word_embeddings=kw.get("tie_word_embeddings"),
         )
-    return transformers.AutoConfig.for_model(model_type, **kw)
+    # a family transformers builds as another type (kimi_k2: deepseek_v3); save() re-lays it
+    hf_type = registry.family(model_type).text_model_type or model_type
+    return transformers.AutoConfig.for_model(hf_type, **kw)
 
 
 def auto_class(case: str) -> Any:
     """The transformers Auto class that builds test case `case`: the image-text-to-text
     model for multimodal families (its checkpoint has the vision tower), else causal LM."""
-    if registry.family(CASES[case][0]).text_model_type is not None:
+    if "vision_config" in CASES[case][1]:
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 
@@ -88,12 +90,59 @@ def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid scores are in (0, 1)
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    model.colibri_family = CASES[model_type][0]  # save() writes that family's layout
     return model
 
 
 def save(model: Any, path: Path, **kwargs: Any) -> Path:
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    family_layout(model, path)
     return path
+
+
+def family_layout(model: Any, path: Path) -> None:
+    """A checkpoint saved by the transformers class of another model_type (the family's
+    text_model_type, e.g. Kimi K2's DeepseekV3ForCausalLM; `model.colibri_family` set by
+    build()) rewritten as the family's hub checkpoint: config.json's model_type is the
+    family's; a multimodal family's (text_prefixes) config becomes its text_config, the
+    language model's tensors (every shard, and the index) take the first source prefix that
+    maps onto them, and a vision-tower tensor is added (the converter must drop it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    family = getattr(model, "colibri_family", None)
+    if family is None or family == model.config.model_type:
+        return
+    fam = registry.family(family)
+    cfg = json.loads((path / "config.json").read_text())
+    if not fam.text_prefixes:
+        (path / "config.json").write_text(json.dumps({**cfg, "model_type": fam.model_type}))
+        return
+
+    def hub(name: str) -> str:
+        src, dst = next((s, d) for s, d in fam.text_prefixes if name.startswith(d))
+        return src + name[len(dst) :]
+
+    shards = sorted(path.glob("*.safetensors"))
+    for i, shard in enumerate(shards):
+        tensors = {hub(name): t for name, t in load_file(shard).items()}
+        if i == 0:
+            tensors["vision_tower.patch_embed.proj.weight"] = torch.ones((8, 3))
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        idx["weight_map"] = {hub(k): v for k, v in idx["weight_map"].items()}
+        idx["weight_map"]["vision_tower.patch_embed.proj.weight"] = shards[0].name
+        index.write_text(json.dumps(idx))
+    outer = {
+        "model_type": fam.model_type,
+        "text_config": cfg,
+        "vision_config": {"hidden_size": 8},
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+    }
+    (path / "config.json").write_text(json.dumps(outer))
 
 
 def router_gap(model: Any, ids: list[int]) -> float:
@@ -192,7 +241,8 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     cfg = config(model_type, vocab_size=50304)
     model = auto_class(model_type).from_config(cfg).float().eval()
-    model.save_pretrained(path, safe_serialization=True)
+    model.colibri_family = CASES[model_type][0]
+    save(model, path)
     (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

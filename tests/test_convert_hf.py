@@ -37,6 +37,9 @@ def make_model(arch: str, seed: int = 0):
 def save(model, path: Path, *, original: bool, shard: bool = False) -> Path:
     kw = {"max_shard_size": "40KB"} if shard else {}
     model.save_pretrained(path, save_original_format=original, **kw)
+    from tests import hf_models
+
+    hf_models.family_layout(model, path)  # e.g. Kimi K2's config, Kimi K2.5's prefixes
     return path
 
 
@@ -66,13 +69,23 @@ def ref_quant(x: np.ndarray, qtype: str) -> np.ndarray:
     return np.ascontiguousarray(q).view(np.uint8).reshape(x.shape[0] if x.ndim > 1 else 1, -1)
 
 
-def source_tensors(path) -> dict[str, np.ndarray]:
-    """Every tensor of an original-format checkpoint as float32 (via torch: bf16 exact)."""
+def source_tensors(path, arch: str | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of an original-format checkpoint as float32 (via torch: bf16 exact); a
+    multimodal family's language-model tensors under their text names (Family.text_prefixes),
+    the others left out."""
     from safetensors.torch import load_file
 
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         out.update({k: v.float().numpy() for k, v in load_file(f).items()})
+    if arch and (prefixes := registry.family(arch).text_prefixes):
+        text = {}
+        for k, v in out.items():
+            for s, d in prefixes:
+                if k.startswith(s):
+                    text[d + k[len(s) :]] = v
+                    break
+        out = text
     return out
 
 
@@ -123,6 +136,7 @@ def tiny(request, tmp_path_factory):
     """(arch, model, {layout: checkpoint dir}) with original, fused and sharded-fused saves."""
     arch = request.param
     model = make_model(arch)
+    model.colibri_family = arch
     d = tmp_path_factory.mktemp(arch)
     dirs = {
         "original": save(model, d / "orig", original=True),
@@ -137,7 +151,7 @@ def test_convert_all_layouts_match_reference(tiny, tmp_path):
     three layouts; every dense tensor equals its source (f32: exactly; q8_0: gguf's bytes)."""
     arch, model, dirs = tiny
     assert (dirs["sharded"] / "model.safetensors.index.json").is_file()
-    orig = text_part(arch, source_tensors(dirs["original"]))
+    orig = source_tensors(dirs["original"], arch)
     ref = reference_experts(model, arch, orig)
     stores = []
     for layout, src in dirs.items():
@@ -212,7 +226,9 @@ def test_inspect_counts_match_transformers(tiny, tmp_path, capsys):
     # num_parameters() plus persistent buffers (DeepSeek-V3/GLM's e_score_correction_bias)
     buffers = sum(b.numel() for n, b in model.named_buffers() if n in model.state_dict())
     total = model.num_parameters() + buffers
-    if registry.family(arch).text_prefixes:  # multimodal: the language model's parameters
+    from tests import hf_models
+
+    if "vision_config" in hf_models.CASES[arch][1]:  # built multimodal: its language model
         total = sum(int(np.prod(x.shape)) for x in text_part(arch, model.state_dict()).values())
     assert d["params_total"] == total
     per_expert = sum(int(np.prod(t.shape)) for t in store.layout.tensors.values())

@@ -5,8 +5,10 @@ keys out, every dense tensor name and shape, and the multimodal `text_config` ho
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +24,7 @@ torch, transformers = hf_models.torch, hf_models.transformers
 # transformers zeroes a few defaults when the feature is off; their default shows with it on
 PROBES = {"sliding_window": {"use_sliding_window": True}}
 # keys transformers computes from others when left out (colibri computes them the same way)
-COMPUTED = {"layer_types"}
+COMPUTED = {"layer_types", "mlp_layer_types"}
 # spellings of the rope settings; Family.resolve_config folds them into rope_parameters
 ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
 
@@ -108,8 +110,10 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
     tied embeddings, heads, RoPE frequencies and scale, sliding windows, routing settings."""
     fam = registry.family(model_type)
     given = {"num_experts_per_tok": 6, **minimal}  # DeepseekV2Config's default is None
-    hf = hf_config(model_type, **given)
-    spec = registry.model_spec({"model_type": model_type, **given})
+    # copies: transformers fills rope dicts in place (glm4_moe's partial_rotary_factor would
+    # leak into the next family's case through the shared MINIMAL dict)
+    hf = hf_config(model_type, **copy.deepcopy(given))
+    spec = registry.model_spec({"model_type": model_type, **copy.deepcopy(given)})
     r = spec.moe.router
     assert (spec.vocab_size, spec.d_model) == (hf.vocab_size, hf.hidden_size)
     assert len(spec.layers) == hf.num_hidden_layers
@@ -131,7 +135,10 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
         )
     else:
         assert a.mla.q_lora_rank == hf.q_lora_rank and a.mla.kv_lora_rank == hf.kv_lora_rank
-    inv_freq, scaling = _rotary(model_type, hf)
+    # the module of the class that builds it (kimi_k2: deepseek_v3; qwen3_5_moe: its own)
+    text = fam.text_model_type
+    known = text is not None and importlib.util.find_spec(f"transformers.models.{text}")
+    inv_freq, scaling = _rotary(text if known else model_type, hf)
     np.testing.assert_allclose(a.inv_freq, inv_freq, rtol=1e-6)
     assert a.mscale == pytest.approx(scaling, rel=1e-9)
     # sliding windows: layer_types where the class has them, else Qwen3-MoE's rule
@@ -179,7 +186,8 @@ def test_dense_tensors_are_the_checkpoints(case, overrides):
         for name, t in model.state_dict().items()
         if ".experts." not in name
     }
-    if fam.text_prefixes:  # multimodal: the language model's tensors, renamed
+    if fam.text_prefixes and "vision_config" in hf_models.CASES[case][1]:
+        # built multimodal (else as its text model, e.g. kimi): the language model, renamed
         want = {
             dst + name[len(src) :]: shape
             for name, shape in want.items()

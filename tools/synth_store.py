@@ -63,6 +63,19 @@ MODELS: dict[str, dict[str, Any]] = {
         "rope_theta": 1e6, "attention_bias": False, "tie_word_embeddings": False,
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # zai-org/GLM-4.7-Flash (transformers' Glm4MoeLiteConfig defaults are this model's)
+    "glm-4.7-flash": {
+        "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+        "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+        "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+        "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
+        "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 4, "norm_topk_prob": True,
+        "mlp_layer_types": ["dense"] + ["sparse"] * 46, "hidden_act": "silu",
+        "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False,
+    },
     "olmoe-1b-7b": {
         "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304,
         "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
@@ -142,6 +155,8 @@ TOKENIZER_SOURCES = {
         ("qwen/qwen3_tokenizer.json.xz", "tokenizer.json"),
         ("qwen/qwen3_tokenizer_config.json", "tokenizer_config.json"),
     ],
+    # no GLM tokenizer in shared/data: Qwen3's (151k ids of the 154880) stands in
+    "glm-4.7-flash": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
     "deepseek-v3": [
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
@@ -159,6 +174,8 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
         cfg["num_hidden_layers"] = layers
         if "layer_types" in cfg:  # hybrids keep their pattern's first `layers` layers
             cfg["layer_types"] = cfg["layer_types"][:layers]
+        if "mlp_layer_types" in cfg:
+            cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:layers]
     if scale != 1.0:
         keys = [
             fam.num_experts_key,

@@ -843,3 +843,131 @@ def gated_delta_rule(
     if rc:
         _check(rc, f"gated_delta_rule(q={q.shape}, v={v.shape})")
     return out
+
+
+# ---- MLA kv_b_proj in its storage type ----------------------------------------------------
+
+
+def _mla_args(
+    kv_b: Buffer,
+    qt: QType,
+    x: np.ndarray,
+    out: np.ndarray,
+    nope: int,
+    dv: int,
+    rank: int,
+    what: str,
+) -> tuple[int, int]:
+    """(n, n_heads) after checking x / out are [n, n_heads, *] and kv_b's size."""
+    _arr(x, f"{what}: x", _X_DTYPES, ndim=3)
+    _arr(out, f"{what}: out", ndim=3, writable=True)
+    n, heads = out.shape[:2]
+    if x.shape[:2] != (n, heads):
+        raise KernelError(f"{what}: x {x.shape} and out {out.shape} differ in tokens or heads")
+    if min(nope, dv, rank) < 0:
+        raise KernelError(f"{what}: nope={nope}, dv={dv}, rank={rank} must be >= 0")
+    want = heads * (nope + dv) * _row_nbytes(qt, rank)
+    if (got := _nbytes(kv_b, f"{what}: kv_b")) != want:
+        raise KernelError(
+            f"{what}: kv_b has {got} bytes, {qt.name} [{heads * (nope + dv)}, {rank}] needs {want}"
+        )
+    if np.may_share_memory(out, x):
+        raise KernelError(f"{what}: out overlaps x")
+    return n, heads
+
+
+_X_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))
+
+
+def mla_absorb_q(
+    kv_b: Buffer,
+    qtype: QType | str | int,
+    q: np.ndarray,
+    out: np.ndarray,
+    *,
+    nope: int,
+    dv: int,
+    rank: int,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """The absorbed MLA query (DeepSeek-V2, arXiv:2405.04434 section 2.1.2), kv_b_proj read in
+    its storage type: out[t, h, :rank] = W_UK_h^T q[t, h, :nope] = sum_j q[t, h, j] W_UK_h[j].
+
+    kv_b: kv_b_proj W [n_heads * (nope + dv), rank] in `qtype` (any C-contiguous buffer; head
+    h's rows are W_UK_h [nope, rank] then W_UV_h [dv, rank]); q: f32 [n, n_heads, dq >= nope];
+    out: f32 [n, n_heads, dout >= rank] (the rest of each head is left alone). f32
+    activations and accumulation (j order). Threads over heads, GIL released. Returns out.
+    Raises KernelError for a wrong dtype, shape or kv_b size.
+    """
+    qt = QType.parse(qtype)
+    if not (isinstance(q, np.ndarray) and q.dtype == np.float32):
+        raise KernelError("mla_absorb_q: q must be a float32 numpy array")
+    n, heads = _mla_args(kv_b, qt, q, out, nope, dv, rank, "mla_absorb_q")
+    if q.shape[2] < nope or out.shape[2] < rank:
+        raise KernelError(f"mla_absorb_q: q {q.shape} needs >= {nope}, out {out.shape} >= {rank}")
+    rc = lib.clb_mla_absorb_q(
+        qt, _fp(out), ffi.from_buffer(kv_b), _fp(q), n, heads, nope, dv, rank, q.shape[2],
+        out.shape[2], nthreads,
+    )  # fmt: skip
+    _check(rc, f"mla_absorb_q({qt.name}, q={q.shape}, rank={rank})")
+    return out
+
+
+def mla_values(
+    kv_b: Buffer,
+    qtype: QType | str | int,
+    lat: np.ndarray,
+    out: np.ndarray,
+    *,
+    nope: int,
+    rank: int,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """MLA's output per head from the attention output over latents, kv_b_proj read in its
+    storage type: out[t, h] = W_UV_h lat[t, h, :rank] (f32 activations).
+
+    kv_b as mla_absorb_q's, dv = out.shape[2]; lat: f32 [n, n_heads, dl >= rank]; out: f32
+    [n, n_heads, dv]. Returns out. Raises KernelError for a wrong dtype, shape or kv_b size."""
+    qt = QType.parse(qtype)
+    if not (isinstance(lat, np.ndarray) and lat.dtype == np.float32):
+        raise KernelError("mla_values: lat must be a float32 numpy array")
+    dv = out.shape[2] if isinstance(out, np.ndarray) and out.ndim == 3 else -1
+    n, heads = _mla_args(kv_b, qt, lat, out, nope, dv, rank, "mla_values")
+    if lat.shape[2] < rank:
+        raise KernelError(f"mla_values: lat {lat.shape} needs >= {rank} values a head")
+    rc = lib.clb_mla_values(
+        qt, _fp(out), ffi.from_buffer(kv_b), _fp(lat), n, heads, nope, dv, rank, lat.shape[2],
+        nthreads,
+    )  # fmt: skip
+    _check(rc, f"mla_values({qt.name}, lat={lat.shape}, rank={rank})")
+    return out
+
+
+def mla_values_q8(
+    kv_b: Buffer,
+    qtype: QType | str | int,
+    xq: np.ndarray,
+    out: np.ndarray,
+    *,
+    nope: int,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """mla_values on Q8_0 activations (as matmul_q8): xq uint8 [n, n_heads,
+    row_nbytes(Q8_0, rank)] is quantize_act of lat[:, :, :rank]; kv_b in Q4_0 or Q8_0.
+    Returns out f32 [n, n_heads, dv]. Raises KernelError for another weight type or a wrong
+    dtype, shape or size."""
+    qt = QType.parse(qtype)
+    if qt not in Q8_ACT_TYPES:
+        raise KernelError(f"mla_values_q8: weights must be Q4_0 or Q8_0, got {qt.name}")
+    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.ndim == 3):
+        raise KernelError("mla_values_q8: xq must be a uint8 array [n, n_heads, Q8_0 bytes]")
+    if xq.shape[2] % 34:
+        raise KernelError(f"mla_values_q8: xq rows of {xq.shape[2]} bytes are not Q8_0 blocks")
+    rank = xq.shape[2] // 34 * 32
+    dv = out.shape[2] if isinstance(out, np.ndarray) and out.ndim == 3 else -1
+    n, heads = _mla_args(kv_b, qt, xq, out, nope, dv, rank, "mla_values_q8")
+    rc = lib.clb_mla_values_q8(
+        qt, _fp(out), ffi.from_buffer(kv_b), _ptr(xq), n, heads, nope, dv, rank, nthreads
+    )
+    _check(rc, f"mla_values_q8({qt.name}, xq={xq.shape})")
+    return out

@@ -91,3 +91,7 @@ dec_block(int fmt, const uint8_t *blk, __m256 d, __m256 m, __m256 w[4]) {
 #define MMQ_FN clb_mmq_rows_avx2
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx2
 #include "matmul_q8.inc"
+
+#define MLA_XW_FN clb_mla_xw_avx2
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#include "mla_simd.inc"
