@@ -30,11 +30,18 @@ The feeds' JSON is documented in docs/DASHBOARD.md.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from colibri.serve.errors import APIError
 
 RECENT = 64  # tokens per layer in the "recent use" window
 TOP_SLOTS = 8  # token ids kept per expert (Space-Saving)
@@ -81,7 +88,7 @@ class RoutingRecorder:
         experts = np.asarray(experts)
         if experts.ndim != 2 or not 0 <= layer < self.num_layers or not len(experts):
             return
-        n, k = experts.shape
+        n = experts.shape[0]
         tokens = np.asarray(tokens, np.int64).reshape(-1)[:n]
         if len(tokens) < n:
             tokens = np.concatenate([tokens, np.full(n - len(tokens), -1, np.int64)])
@@ -118,7 +125,9 @@ class RoutingRecorder:
         if len(pairs) > TOP_PAIRS_PER_CALL:
             pairs = pairs[:: -(-len(pairs) // TOP_PAIRS_PER_CALL)]
         keys, counts = np.unique(pairs, axis=0, return_counts=True) if len(pairs) else ((), ())
-        for (e, tok), cnt in zip(np.asarray(keys).tolist(), np.asarray(counts).tolist()):
+        for (e, tok), cnt in zip(
+            np.asarray(keys).tolist(), np.asarray(counts).tolist(), strict=True
+        ):
             _space_saving(self.top[e], tok, cnt)
         self.routed_tokens += n
         self.version += 1
@@ -261,7 +270,7 @@ def snapshot(engine: Any, recorder: RoutingRecorder, model_id: str) -> dict[str,
     }
 
 
-STATIC = __import__("pathlib").Path(__file__).parent / "static"
+STATIC = Path(__file__).parent / "static"
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
@@ -271,14 +280,6 @@ def install(app: Any, service: Any, trace_path: str | None = None) -> RoutingRec
     install the recorder on the engine's pipeline hook; seed it from the RoutingTrace at
     `trace_path` (TraceError / ValueError naming the file when it is unreadable or of another
     model)."""
-    import asyncio
-    import json
-
-    from fastapi import Request
-    from fastapi.responses import Response, StreamingResponse
-
-    from colibri.serve.errors import APIError
-
     eng = service.engine
     spec = eng.spec
     moe = [s.index for s in spec.layers if s.moe]

@@ -56,6 +56,7 @@ async function send(text) {
   const req = { model: state.model, messages: msgs, stream: true, stream_options: { include_usage: true },
     temperature: parseFloat($("temperature").value), top_p: parseFloat($("top_p").value),
     max_tokens: parseInt($("max_tokens").value, 10) };
+  if ($("ignore_eos").checked) req.ignore_eos = true;
   const ctl = new AbortController(); state.abort = ctl;
   $("send").disabled = true; $("stop").disabled = false;
   const t0 = performance.now(); let tFirst = null; let n = 0; let text_ = ""; let usage = null; let finish = null;
@@ -98,6 +99,7 @@ async function send(text) {
     st.textContent = `${finish || "ended"} · ${n} chunks in ${wall.toFixed(2)} s · TTFT ${ttft} (measured in the browser)`;
   }
   div.appendChild(st);
+  loadAtlas();
 }
 
 $("composer").addEventListener("submit", (e) => {
