@@ -218,8 +218,8 @@ def spectral_layout(sketch: np.ndarray, degree: np.ndarray) -> np.ndarray:
         if xy.shape[1] < 2:
             xy = np.pad(xy, ((0, 0), (0, 2 - xy.shape[1])))
         xy -= np.median(xy, axis=0)
-        scale = np.percentile(np.abs(xy), 98, axis=0)
-        xy /= np.where(scale > 0, scale, 1.0)
+        scale = np.percentile(np.abs(xy), 98)  # one scale for both axes: distances stay true
+        xy /= scale if scale > 0 else 1.0
         out[seen] = np.clip(xy, -1.0, 1.0) * 0.95
     rest = np.nonzero(~seen)[0]
     angle = np.arange(len(rest)) * 2.399963  # the golden angle: an even spread
