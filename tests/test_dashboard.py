@@ -243,3 +243,45 @@ def test_web_opens_no_browser_headless(monkeypatch, capsys):
     monkeypatch.setattr(webbrowser, "get", none)
     assert web.open_browser("http://127.0.0.1:1/") is False
     assert "no browser found; open http://127.0.0.1:1/" in capsys.readouterr().err
+
+
+def test_colibri_web_serves_the_dashboard_without_a_browser():
+    """`colibri web` on a machine whose browser cannot start: the URL is printed, the server
+    serves the page, SIGTERM stops it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.serve_util import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env["BROWSER"] = "/nonexistent/browser"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "colibri", "web", "--port", str(port), "--io", "threads"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                page = httpx.get(url, timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+                time.sleep(0.2)
+        assert page.status_code == 200 and '<canvas id="heatmap"' in page.text
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"dashboard at {url}" in err
