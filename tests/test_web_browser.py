@@ -51,7 +51,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(parallel=2) as srv:
+    # a budget of a third of the demo's experts: the heat map shows all three tiers
+    with running_server(parallel=2, engine_options={"budget": 2 << 20}) as srv:
         yield srv
 
 
