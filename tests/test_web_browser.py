@@ -245,3 +245,57 @@ def test_atlas_with_20k_experts(page):
     page.wait_for_function("document.getElementById('atlastip').textContent.includes('layer')")
     assert page.evaluate("state.hoverExpert") is not None
     page.locator("#atlas").screenshot(path=str(ARTIFACTS / "atlas-20k.png"))
+
+
+def synthetic_snapshot(n_layers: int = 76, n_experts: int = 256, seed: int = 0) -> dict:
+    """A /v1/experts snapshot of GLM-5's size with every tier present."""
+    rng = np.random.default_rng(seed)
+    shape = (n_layers, n_experts)
+    recent = np.where(rng.random(shape) < 0.03, rng.integers(1, 64, shape), 0)
+    state = rng.choice([0, 1, 2], size=shape, p=[0.6, 0.02, 0.38])
+    gets = rng.integers(0, 100, shape)
+    stats = dict.fromkeys(
+        [
+            "expert_hits", "expert_misses", "bytes_read", "reads", "evictions",
+            "wait_io_seconds", "compute_seconds", "verify_seconds", "forward_steps",
+            "prompt_tokens", "generated_tokens", "prefix_hits", "running", "waiting",
+            "reads_in_flight", "leased", "cache_used_nbytes", "prefix_nbytes", "dense_nbytes",
+        ],
+        0,
+    )  # fmt: skip
+    stats.update(cache_budget_nbytes=1 << 30, hit_rate=1.0)
+    return {
+        "object": "experts", "model": "synthetic", "time": 1.0, "num_layers": n_layers,
+        "num_experts": n_experts, "top_k": 8, "moe_layers": list(range(n_layers)),
+        "recent_window": 64, "routed_tokens": 1, "recent": recent.tolist(),
+        "tokens": recent.tolist(), "gets": gets.tolist(), "hits": (gets // 2).tolist(),
+        "state": state.tolist(), "statistics": stats,
+    }  # fmt: skip
+
+
+def test_heat_map_with_20k_experts(browser, server):
+    event = "data: " + json.dumps(synthetic_snapshot()) + "\n\n"
+    pg = browser.new_page(viewport={"width": 1400, "height": 950})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.route(
+        "**/v1/experts/stream*",
+        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=event),
+    )
+    pg.goto(server.url + "/")
+    pg.wait_for_function("state.snap !== null && state.snap.num_experts === 256")
+    ms = pg.evaluate(
+        "(() => { const t = performance.now(); for (let i = 0; i < 5; i++) drawHeat();"
+        " return (performance.now() - t) / 5; })()"
+    )
+    print(f"heat map redraw with 19456 experts: {ms:.1f} ms")
+    height = pg.evaluate("document.getElementById('heatmap').clientHeight")
+    assert height > 76 * 2, height  # one row per layer
+    # hover a cell: the tooltip names the layer and expert under the pointer
+    box = pg.locator("#heatmap").bounding_box()
+    pg.mouse.move(box["x"] + 34 + 100.5 * (box["width"] - 38) / 256, box["y"] + 4 + 2.5 * 4.7)
+    tip = pg.inner_text("#heattip")
+    assert "layer 2 expert 100" in tip, tip
+    pg.locator("#heat").screenshot(path=str(ARTIFACTS / "heatmap-20k.png"))
+    pg.close()
+    assert not errors, errors

@@ -146,7 +146,7 @@ function drawHeat() {
     for (let e = 0; e < g.E; e++) {
       const x = g.left + e * g.cw; const v = Math.min(1, rec[e] / Math.max(1, s.recent_window) * 2);
       const tier = st[e];
-      ctx.fillStyle = v > 0 ? `hsl(${40 - 40 * v}, 95%, ${18 + 47 * v}%)` : (tier === 2 ? "#1d2b3a" : "#141820");
+      ctx.fillStyle = v > 0 ? `hsl(${40 - 40 * v}, 95%, ${18 + 47 * v}%)` : (tier === 2 ? "#2b4260" : "#141820");
       ctx.fillRect(x + 0.5, y + 0.5, Math.max(0.5, g.cw - 1), g.ch - 1);
       if (outline) {
         if (tier === 2) { ctx.strokeStyle = "#e8e8e8"; ctx.lineWidth = 1.5; ctx.setLineDash([]); }
