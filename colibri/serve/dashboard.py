@@ -7,8 +7,10 @@ Source of the routing: the pipeline's `route_observer` hook (colibri/pipeline.py
 per MoE layer of every forward pass with the batch's token ids and the router's top-k. It is
 the cheapest correct source: the cache's requests only see the union of a batch's experts
 (no token ids, no per-token co-activation), and the tracer slot belongs to `--trace` and
-`capture_routing`. The hook runs on the event loop; each call costs O(n * k) numpy work plus
-a bounded Python loop for the top-token counters (at most TOP_PAIRS_PER_CALL pairs).
+`capture_routing`. The hook runs on the event loop: it takes the cache hits and queues the
+rows; one vectorised pass folds the queue in when the feeds are read (or PENDING_ROWS rows
+wait), with a bounded Python loop for the top-token counters (at most TOP_PAIRS pairs, a
+uniform random sample beyond).
 
 Kept per (layer, expert), memory bounded whatever the session length:
 - tokens: tokens routed to it; gets / hits: steps that asked the cache for it and how many of
@@ -45,7 +47,8 @@ from colibri.serve.errors import APIError
 
 RECENT = 64  # tokens per layer in the "recent use" window
 TOP_SLOTS = 8  # token ids kept per expert (Space-Saving)
-TOP_PAIRS_PER_CALL = 512  # (expert, token) pairs one call feeds the top-token counters
+TOP_PAIRS = 8192  # (expert, token) pairs one _flush feeds the top-token counters
+PENDING_ROWS = 4096  # token-layer rows queued before they are folded in
 SKETCH = 128  # columns of the co-activation sketch
 
 
@@ -67,7 +70,7 @@ class RoutingRecorder:
         self.moe_layers = list(moe_layers)
         self.cache = cache
         shape = (num_layers, num_experts)
-        self.tokens = np.zeros(shape, np.int64)
+        self._tokens = np.zeros(shape, np.int64)
         self.gets = np.zeros(shape, np.int64)
         self.hits = np.zeros(shape, np.int64)
         self.ring = np.full((num_layers, RECENT, top_k), -1, np.int32)
@@ -76,65 +79,99 @@ class RoutingRecorder:
         self.top: list[dict[int, int]] = [{} for _ in range(num_layers * num_experts)]
         self.routed_tokens = 0  # token-layer rows seen
         self.version = 0  # bumped by every observe (the atlas is recomputed when it moved)
-        self._occurrence = {layer: 0 for layer in range(num_layers)}
-        self._rng_seed = seed
+        self._occurrence = np.zeros(num_layers, np.int64)  # tokens each layer has seen
+        self._seed = np.uint64(seed)
+        self._rng = np.random.default_rng(seed)
+        self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
         self._atlas: tuple[int, dict[str, Any]] | None = None
 
     # -- feeding ------------------------------------------------------------------------------
     def observe(self, layer: int, tokens: np.ndarray, experts: np.ndarray) -> None:
         """Record one MoE layer's routing: tokens int [n] (ids, -1 when unknown), experts
         int [n, k] (the router's top-k; entries < 0 are ignored). Never raises on ids out of
-        range: they are dropped."""
+        range: they are dropped. Only the cache hits are taken now (they depend on the
+        moment); the rest is queued and folded in by one vectorised pass (_flush) when read
+        or when PENDING_ROWS rows wait, so a forward pass pays a few microseconds per layer."""
         experts = np.asarray(experts)
         if experts.ndim != 2 or not 0 <= layer < self.num_layers or not len(experts):
             return
-        n = experts.shape[0]
+        n, k = experts.shape
+        if k != self.top_k:
+            experts = experts[:, : self.top_k]
+            if k < self.top_k:
+                experts = np.pad(experts, ((0, 0), (0, self.top_k - k)), constant_values=-1)
         tokens = np.asarray(tokens, np.int64).reshape(-1)[:n]
         if len(tokens) < n:
             tokens = np.concatenate([tokens, np.full(n - len(tokens), -1, np.int64)])
-        valid = (experts >= 0) & (experts < self.num_experts)
-        flat = experts[valid].astype(np.int64)
-        self.tokens[layer] += np.bincount(flat, minlength=self.num_experts)
-        uniq = np.unique(flat)
-        if self.cache is not None:
-            hit = [e for e in uniq.tolist() if self.cache.contains(layer, e)]
-            self.hits[layer, hit] += 1
+        E = self.num_experts
+        uniq = [e for e in set(experts.ravel().tolist()) if 0 <= e < E]
         self.gets[layer, uniq] += 1
-        # recent window
-        rows = np.where(valid, experts, -1).astype(np.int32)[:, : self.top_k]
-        if rows.shape[1] < self.top_k:
-            rows = np.pad(rows, ((0, 0), (0, self.top_k - rows.shape[1])), constant_values=-1)
-        rows = rows[-RECENT:]
-        pos = (self.ring_pos[layer] + np.arange(len(rows))) % RECENT
-        self.ring[layer, pos] = rows
-        self.ring_pos[layer] += len(rows)
-        # co-activation sketch: occurrence t (the t-th token this layer saw) hashes to a column
-        # and a sign; the same t at every layer is the same token, so columns line up
-        t0 = self._occurrence[layer]
-        self._occurrence[layer] = t0 + n
-        occ = np.arange(t0, t0 + n, dtype=np.uint64)
-        h = _mix(occ ^ np.uint64(self._rng_seed))
-        col = (h % np.uint64(SKETCH)).astype(np.int64)
-        sign = np.where((h >> np.uint64(32)) & np.uint64(1), 1.0, -1.0).astype(np.float32)
-        r, c = np.nonzero(valid)
-        idx = layer * self.num_experts + experts[r, c].astype(np.int64)
-        np.add.at(self.sketch, (idx, col[r]), sign[r])
-        # top tokens (Space-Saving), a bounded number of pairs per call
-        known = tokens[r] >= 0
-        pairs = np.stack([idx[known], tokens[r][known]], axis=1)
-        if len(pairs) > TOP_PAIRS_PER_CALL:
-            pairs = pairs[:: -(-len(pairs) // TOP_PAIRS_PER_CALL)]
-        keys, counts = np.unique(pairs, axis=0, return_counts=True) if len(pairs) else ((), ())
-        for (e, tok), cnt in zip(
-            np.asarray(keys).tolist(), np.asarray(counts).tolist(), strict=True
-        ):
-            _space_saving(self.top[e], tok, cnt)
+        if self.cache is not None:
+            contains = self.cache.contains
+            hit = [e for e in uniq if contains(layer, e)]
+            if hit:
+                self.hits[layer, hit] += 1
+        self._pending.append((layer, tokens, experts))
+        self._pending_rows += n
         self.routed_tokens += n
         self.version += 1
+        if self._pending_rows >= PENDING_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Fold the queued observations into the counters, the recent windows, the sketch
+        and the top-token summaries, all layers at once."""
+        if not self._pending:
+            return
+        pend, self._pending, self._pending_rows = self._pending, [], 0
+        L, E = self.num_layers, self.num_experts
+        lay = np.concatenate([np.full(len(e), layer, np.int64) for layer, _, e in pend])
+        tok = np.concatenate([t for _, t, _ in pend])
+        ex = np.concatenate([e for _, _, e in pend]).astype(np.int64)
+        valid = (ex >= 0) & (ex < E)
+        # rank of each row among its layer's rows (rows keep their order within a layer)
+        counts = np.bincount(lay, minlength=L)
+        order = np.argsort(lay, kind="stable")
+        rank = np.empty(len(lay), np.int64)
+        rank[order] = np.arange(len(lay)) - (np.cumsum(counts) - counts)[lay[order]]
+        r, c = np.nonzero(valid)
+        idx = lay[r] * E + ex[r, c]
+        self._tokens += np.bincount(idx, minlength=L * E).reshape(L, E)
+        # recent windows: each layer's last RECENT rows
+        keep = rank >= counts[lay] - RECENT
+        pos = (self.ring_pos[lay[keep]] + rank[keep]) % RECENT
+        self.ring[lay[keep], pos] = np.where(valid, ex, -1)[keep]
+        self.ring_pos += counts
+        # co-activation sketch: occurrence t (the t-th token a layer saw) hashes to a column
+        # and a sign; the same t at every layer is the same token, so columns line up
+        h = _mix((self._occurrence[lay] + rank).astype(np.uint64) ^ self._seed)
+        self._occurrence += counts
+        col = (h % np.uint64(SKETCH)).astype(np.int64)
+        sign = np.where((h >> np.uint64(32)) & np.uint64(1), 1.0, -1.0).astype(np.float32)
+        np.add.at(self.sketch.reshape(-1), idx * SKETCH + col[r], sign[r])
+        # top tokens (Space-Saving) from at most TOP_PAIRS (expert, token) pairs per pass
+        t = tok[r]
+        known = t >= 0
+        pair = (idx[known] << 32) | t[known]
+        if len(pair) > TOP_PAIRS:
+            pair = self._rng.choice(pair, TOP_PAIRS, replace=False)
+        if len(pair):
+            keys, cnt = np.unique(pair, return_counts=True)
+            top = self.top
+            for key, n in zip(keys.tolist(), cnt.tolist(), strict=True):
+                _space_saving(top[key >> 32], key & 0xFFFFFFFF, n)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64 [num_layers, num_experts]: tokens routed to each expert so far."""
+        self._flush()
+        return self._tokens
 
     # -- reading ------------------------------------------------------------------------------
     def recent(self) -> np.ndarray:
         """int64 [num_layers, num_experts]: tokens routed among each layer's last RECENT."""
+        self._flush()
         out = np.zeros((self.num_layers, self.num_experts), np.int64)
         for layer in self.moe_layers:
             ids = self.ring[layer].ravel()
@@ -145,6 +182,7 @@ class RoutingRecorder:
         """The (token id, estimated count) pairs most often routed to (layer, expert), most
         frequent first (Space-Saving: counts are upper bounds, exact while the expert has
         seen at most TOP_SLOTS distinct tokens)."""
+        self._flush()
         top = self.top[layer * self.num_experts + expert]
         return sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
@@ -154,6 +192,7 @@ class RoutingRecorder:
         until new routing arrives."""
         if self._atlas is not None and self._atlas[0] == self.version:
             return self._atlas[1]
+        self._flush()
         layers = np.repeat(np.asarray(self.moe_layers, np.int64), self.num_experts)
         experts = np.tile(np.arange(self.num_experts, dtype=np.int64), len(self.moe_layers))
         rows = layers * self.num_experts + experts
