@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from colibri.engine import open_engine
+from colibri.errors import ColibriError
 from colibri.serve import dashboard
 from colibri.serve.dashboard import TOP_SLOTS, RoutingRecorder, spectral_layout
 from tests.serve_util import DEMO, running_server
@@ -141,7 +142,7 @@ def test_page_and_static_files(server):
     assert httpx.get(server.url + "/static/..%2Fapp.py").status_code == 404
 
 
-async def test_recorder_matches_the_engines_routing_trace():
+async def test_recorder_matches_the_engines_routing_trace(tmp_path):
     """The pipeline hook sees exactly the routing the engine's tracer records."""
     async with open_engine(DEMO, io="threads") as eng:
         spec = eng.spec
@@ -169,6 +170,18 @@ async def test_recorder_matches_the_engines_routing_trace():
         assert (rec2.tokens == rec.tokens).all()
         with pytest.raises(ValueError, match="does not match this model"):
             RoutingRecorder(7, 8, 2, range(7)).load_trace(trace)
+        # `colibri serve --atlas-trace FILE`: the app's recorder starts from the saved trace
+        from colibri.serve import Service, create_app
+
+        path = tmp_path / "routing.npz"
+        trace.save(path)
+        service = Service(eng, "colibri-demo")
+        create_app(service, atlas_trace=str(path))
+        assert (service.recorder.tokens == rec.tokens).all()
+        (tmp_path / "bad.npz").write_bytes(b"not a trace")
+        with pytest.raises(ColibriError, match=r"bad\.npz"):
+            create_app(Service(eng, "colibri-demo"), atlas_trace=str(tmp_path / "bad.npz"))
+        eng.pipeline.route_observer = None
 
 
 def test_space_saving_bounds():

@@ -183,7 +183,9 @@ function onSnapshot(s) {
     const dsteps = b.forward_steps - a.forward_steps;
     if (dt > 0) {
       const c = b.compute_seconds - a.compute_seconds, w = b.wait_io_seconds - a.wait_io_seconds;
-      const busy = dsteps > 0 ? Math.min(dt, Math.max(c + w, dt * (b.running > 0 || a.running > 0 ? 1 : 0))) : 0;
+      // "other": the rest of the interval, counted only when sequences ran through all of it
+      // (an interval where a generation starts or ends would count idle time as other)
+      const busy = dsteps > 0 ? (a.running > 0 && b.running > 0 ? Math.max(dt, c + w) : c + w) : 0;
       const ntok = Math.max(dtok, dsteps);
       state.series.push({ t: s.time, tokens: ntok, compute: ntok ? 1000 * c / ntok : 0, wait: ntok ? 1000 * w / ntok : 0,
         other: ntok ? 1000 * Math.max(0, busy - c - w) / ntok : 0, gbps: (b.bytes_read - a.bytes_read) / dt / 1e9 });
@@ -194,7 +196,7 @@ function onSnapshot(s) {
 }
 function drawTime() {
   const cv = $("timechart"); const [ctx, w, h] = fit(cv); ctx.clearRect(0, 0, w, h);
-  const S = state.series; const n = 240; const bw = (w - 40) / n;
+  const S = state.series; const n = Math.max(60, S.length); const bw = (w - 40) / n;
   const max = Math.max(1, ...S.map((p) => p.compute + p.wait + p.other)) * 1.1;
   ctx.strokeStyle = "#2c333d"; ctx.fillStyle = "#8fa1b3"; ctx.font = "10px sans-serif";
   for (let k = 0; k <= 4; k++) {
