@@ -298,3 +298,16 @@ def test_colibri_web_serves_the_dashboard_without_a_browser():
             proc.kill()
     assert proc.returncode == 0, err
     assert f"dashboard at {url}" in err
+
+
+def test_a_failing_recorder_never_breaks_generation():
+    with running_server() as srv:
+
+        def broken(*a):
+            raise RuntimeError("boom")
+
+        srv.service.recorder.observe = broken
+        r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert srv.service.engine.pipeline.route_observer is None
+        assert httpx.get(srv.url + "/v1/experts").status_code == 200

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +45,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from colibri.serve.errors import APIError
+
+log = logging.getLogger("colibri.serve")
 
 RECENT = 64  # tokens per layer in the "recent use" window
 TOP_SLOTS = 8  # token ids kept per expert (Space-Saving)
@@ -332,7 +335,16 @@ def install(app: Any, service: Any, trace_path: str | None = None) -> RoutingRec
             rec.load_trace(trace)
         except ValueError as exc:
             raise ValueError(f"{trace_path}: {exc}") from None
-    eng.pipeline.route_observer = rec.observe
+
+    def observe(layer: int, tokens: np.ndarray, experts: np.ndarray) -> None:
+        # the dashboard must never break a generation: a failure here unhooks it, once
+        try:
+            rec.observe(layer, tokens, experts)
+        except Exception:
+            log.exception("dashboard routing recorder failed; the expert feeds stop updating")
+            eng.pipeline.route_observer = None
+
+    eng.pipeline.route_observer = observe
     service.recorder = rec
 
     def page(name: str) -> Response:
