@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("colibri.run", "generate text from a prompt (default: the embedded demo model)"),
     "chat": ("colibri.run", "interactive multi-turn chat using the model's chat template"),
     "serve": ("colibri.serve.cli", "OpenAI/Anthropic-compatible HTTP server (default: the demo)"),
+    "web": ("colibri.serve.web", "colibri serve, with its web dashboard opened in a browser"),
     "convert": ("colibri.convert", "convert a Hugging Face or GGUF checkpoint into a store"),
     "inspect": ("colibri.inspect", "describe a store and optionally verify its checksums"),
     "export-gguf": ("colibri.export_gguf", "write a store as a GGUF file for llama.cpp"),

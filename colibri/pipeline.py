@@ -63,6 +63,10 @@ class Pipeline:
         self.fused = getattr(model, "pad", 1) > 1
         self.tracer: Any = None  # a RoutingTraceWriter: every token's choice per layer
         self._traced = 0  # tokens recorded so far
+        # route_observer(layer, tokens int64 [n], experts int32 [n, k]): called on the event
+        # loop for every MoE layer of every forward, before the cache is asked for the
+        # experts, with the batch's token ids and their routing (the dashboard's feed)
+        self.route_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
 
@@ -169,6 +173,12 @@ class Pipeline:
                     for t in range(len(ids)):
                         self.tracer.record(t0 + t, i, ids[t].tolist(), weights[t].tolist())
                     t0 += len(ids)
+            if self.route_observer is not None:
+                self.route_observer(
+                    i,
+                    np.concatenate([np.asarray(t, dtype=np.int64) for t, _ in batch]),
+                    np.concatenate([ids for _, ids, _ in routed]),
+                )
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             self.cache.request(i, experts)  # misses go to disk now, as one batch
             records += len(experts)

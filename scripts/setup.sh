@@ -14,6 +14,8 @@ command -v cc >/dev/null 2>&1 || need+=(build-essential)
 command -v fio >/dev/null 2>&1 || need+=(fio)
 # SIMDe headers let the tests run the AVX-512 kernels emulated on CPUs without AVX-512
 [ "$want" != test ] || [ -d /usr/include/simde ] || need+=(libsimde-dev)
+# the dashboard's browser tests drive Debian's chromium through Playwright (nothing downloaded)
+[ "$want" != test ] || command -v chromium >/dev/null 2>&1 || need+=(chromium)
 "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 "$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' || need+=(python3-dev)
 if [ ${#need[@]} -gt 0 ]; then
@@ -23,7 +25,7 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq >/dev/null
     apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   else
-    echo "colibri setup: missing system packages (${need[*]}); install them for io_uring and fio" >&2
+    echo "colibri setup: missing system packages (${need[*]}); install them for io_uring, fio (and chromium: the browser tests)" >&2
   fi
 fi
 

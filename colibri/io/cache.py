@@ -668,6 +668,15 @@ class ExpertCache:
             "verify_seconds": self._verify_seconds,
         }
 
+    def residency(self) -> tuple[list[Key], list[Key]]:
+        """(ready, reading): the (layer, expert) keys held in RAM and those being read now.
+        O(entries), never waits, changes nothing (the dashboard's tier map)."""
+        ready: list[Key] = []
+        reading: list[Key] = []
+        for key, e in self._entries.items():
+            (ready if e.ready else reading).append(key)
+        return ready, reading
+
     def contains(self, layer: int, expert: int) -> bool:
         """True when (layer, expert) is READY in the cache (a get would hit)."""
         entry = self._entries.get((layer, expert))

@@ -2,7 +2,8 @@
 
     app = create_app(Service(engine, "demo", parallel=4, api_key=None))
 
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+Routes: GET / (the dashboard, colibri/serve/dashboard.py, with its /static files and
+/v1/experts feeds), GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, POST /v1/messages (Anthropic), POST /v1/batch (JSONL in, JSONL
 out). Every refused request gets a 4xx with an OpenAI-style error body (Anthropic-style on
 /v1/messages); an unexpected failure gets a 500 with the same body and the server goes on.
@@ -22,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from colibri.serve import anthropic_api, openai_api
+from colibri.serve import anthropic_api, dashboard, openai_api
 from colibri.serve.errors import APIError, error_body, error_response
 from colibri.serve.service import Service
 
@@ -66,8 +67,11 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-def create_app(service: Service, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """The ASGI app serving `service` (see the module docstring)."""
+def create_app(
+    service: Service, max_body_bytes: int = DEFAULT_MAX_BODY, atlas_trace: str | None = None
+) -> FastAPI:
+    """The ASGI app serving `service` (see the module docstring); atlas_trace: a routing
+    trace (.npz, colibri/io/trace.py) the dashboard's atlas starts from."""
     app = FastAPI(title="colibri", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     metrics = service.metrics
@@ -193,6 +197,7 @@ def create_app(service: Service, max_body_bytes: int = DEFAULT_MAX_BODY) -> Fast
         out = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
         return Response(out, media_type="application/jsonl")
 
+    dashboard.install(app, service, atlas_trace)
     app.state.started = time.time()
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app

@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from colibri.run import DEMO_STORE, _say_backend, add_engine_options, engine_options, size_arg
@@ -68,6 +68,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds running requests get to finish on SIGTERM (default 60)",
     )
+    g.add_argument(
+        "--atlas-trace",
+        default=None,
+        metavar="FILE",
+        help="a routing trace (.npz from --trace or `colibri replay`) the dashboard's atlas "
+        "starts from (default: only the routing of this session)",
+    )
     add_engine_options(p)
 
 
@@ -100,7 +107,8 @@ def model_id(path: Path, name: str | None) -> str:
     return "colibri-demo" if path == DEMO_STORE else path.resolve().name
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; on_started(url) is called once it listens."""
     import uvicorn
 
     from colibri.engine import open_engine
@@ -127,7 +135,11 @@ async def serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
         )
         config = uvicorn.Config(
-            create_app(service, max_body_bytes=args.max_body),
+            create_app(
+                service,
+                max_body_bytes=args.max_body,
+                atlas_trace=getattr(args, "atlas_trace", None),
+            ),
             host=args.host,
             port=args.port,
             log_level="warning",
@@ -141,7 +153,12 @@ async def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        await server.serve()
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started and on_started is not None:
+            on_started(f"http://{args.host}:{args.port}/")
+        await task
         s = engine.statistics()
     print(
         f"colibri serve: stopped; {s.prompt_tokens} prompt + {s.generated_tokens} generated "
@@ -153,9 +170,9 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run_cli(args: argparse.Namespace, on_started: Callable[[str], None] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        return asyncio.run(serve(args, on_started))
+    return uvloop.run(serve(args, on_started))
