@@ -649,12 +649,12 @@ class SyncEngine:
         # until the last stream has ended (with finish_reason "cancelled")
         self._lock = threading.Lock()
         self._streams = 0
-        self._closing = self._stopped = False
+        self._closing = self._closed = self._stopped = False
         self._cm = open_engine(path, **options)
         try:
             self.engine: Engine = self._call(self._cm.__aenter__())
         except BaseException:
-            self._closing = True
+            self._closing = self._closed = True
             self._release_loop()
             raise
 
@@ -695,9 +695,10 @@ class SyncEngine:
         return self.engine.statistics()
 
     def _release_loop(self) -> None:
-        """Stop the loop thread once closing and no stream is left (once)."""
+        """Stop the loop thread once the engine is closed and no stream is left (once). A
+        stream that ends while close() still runs on the loop leaves the stopping to close()."""
         with self._lock:
-            if not self._closing or self._streams or self._stopped:
+            if not self._closed or self._streams or self._stopped:
                 return
             self._stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -714,6 +715,8 @@ class SyncEngine:
         try:
             self._call(self._cm.__aexit__(None, None, None))
         finally:
+            with self._lock:
+                self._closed = True
             self._release_loop()
 
     def __enter__(self) -> SyncEngine:
