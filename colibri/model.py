@@ -8,7 +8,7 @@ keeps reaping expert reads. All activations are f32 [n_tokens, ...].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,18 +63,27 @@ class KVCache:
     Multi-head latent attention layers keep the compressed form instead: k[layer] is
     v[layer] (one array), [n_ctx, 1, kv_lora_rank + qk_rope_head_dim] holding the normed latent
     then the rotated rope key; memory layers * n_ctx * (kv_lora_rank + rope) * itemsize.
+    DSA layers (spec.IndexerSpec) with their own indexer also keep its keys:
+    index_k[layer] [n_ctx, index_head_dim] (None for other layers); index_sel holds the top-k
+    selection of the last full indexer layer for the tokens being computed (int32
+    [n_tokens, k], -1 padding), which "shared" layers reuse.
     """
 
     k: list[np.ndarray]
     v: list[np.ndarray]
     n_ctx: int
     length: int = 0
+    index_k: list[np.ndarray | None] = field(default_factory=list)
+    index_sel: np.ndarray | None = None
 
     @classmethod
     def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
-        k, v = [], []
+        k, v, index_k = [], [], []
         for layer in spec.layers:
             a = layer.attention
+            x = a.indexer
+            own = x is not None and not x.shared
+            index_k.append(np.zeros((n_ctx, x.index_head_dim), dtype=dtype) if own else None)
             if a.mla is not None:
                 latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
                 k.append(latent)
@@ -82,11 +91,12 @@ class KVCache:
                 continue
             k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
             v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
-        return cls(k, v, n_ctx)
+        return cls(k, v, n_ctx, index_k=index_k)
 
     @property
     def nbytes(self) -> int:
-        arrays = {id(a): a for a in (*self.k, *self.v)}  # MLA layers share one array
+        index_k = [a for a in self.index_k if a is not None]
+        arrays = {id(a): a for a in (*self.k, *self.v, *index_k)}  # MLA layers share one array
         return sum(a.nbytes for a in arrays.values())
 
 
@@ -161,6 +171,19 @@ class Model:
         w["o"] = self._linear(n["o"], d, H * a.v_head_dim)
         return w
 
+    def _load_indexer(self, spec: LayerSpec) -> dict[str, object]:
+        """The DSA indexer's weights (spec.IndexerSpec): wq_b, wk, weights_proj and the
+        LayerNorm k_norm's weight and bias."""
+        x, n, d = spec.attention.indexer, spec.names, self.spec.d_model
+        hd, q_rank = x.index_head_dim, spec.attention.mla.q_lora_rank
+        return {
+            "idx_wq_b": self._linear(n["idx_wq_b"], x.index_n_heads * hd, q_rank),
+            "idx_wk": self._linear(n["idx_wk"], hd, d),
+            "idx_k_norm": self._vector(f"{n['idx_k_norm']}.weight", hd),
+            "idx_k_norm_bias": self._vector(f"{n['idx_k_norm']}.bias", hd),
+            "idx_weights_proj": self._linear(n["idx_weights_proj"], x.index_n_heads, d),
+        }
+
     def _load_layer(self, spec: LayerSpec) -> dict[str, object]:
         a, d, n = spec.attention, self.spec.d_model, spec.names
         w: dict[str, object] = {
@@ -169,6 +192,8 @@ class Model:
         }
         if a.mla is not None:
             w |= self._load_mla(spec)
+            if a.indexer is not None and not a.indexer.shared:
+                w |= self._load_indexer(spec)
         else:
             w |= {
                 "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
@@ -228,7 +253,9 @@ class Model:
         w, n = self.layers[i], x.shape[0]
         h = np.empty_like(x)
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
-        if self.spec.layers[i].attention.mla is not None:
+        if self.spec.layers[i].attention.indexer is not None:
+            out = self._attention_dsa(i, h, kv, pos0)
+        elif self.spec.layers[i].attention.mla is not None:
             out = self._attention_mla(i, h, kv, pos0)
         else:
             out = self._attention_gqa(i, h, kv, pos0)
@@ -328,6 +355,101 @@ class Model:
         )  # fmt: skip
         v = np.matmul(out[:, :, :r].transpose(1, 0, 2), w["w_uv_t"])  # [H, n, v_head_dim]
         return np.ascontiguousarray(v.transpose(1, 0, 2))
+
+    def _attention_dsa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """DeepSeek Sparse Attention of layer i (MLA + the lightning indexer, spec.IndexerSpec)
+        on its normed input h f32 [n, d_model]; returns f32 [n, n_heads, v_head_dim].
+
+        The MLA part is _attention_mla's (latent cache, kv_b_proj absorbed). A full layer's
+        indexer caches its keys (kv.index_k) and selects for each token the index_topk
+        best-scoring positions at or before it (transformers DeepseekV32Indexer: every
+        position when there are no more than index_topk), stored in kv.index_sel; a shared
+        layer reuses kv.index_sel. Tokens whose selection is their whole causal past attend
+        as in dense MLA; the others attend over the gathered selected cache rows only.
+        """
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        m, x, n, H = a.mla, a.indexer, h.shape[0], a.n_heads
+        r, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, a.rot_dim
+        qa = w["q_a"](h, nthreads=self.nthreads)
+        ops.rmsnorm(qa, qa, w["q_a_norm"], m.norm_eps)  # q_resid, also the indexer's input
+        q = w["q_b"](qa, nthreads=self.nthreads).reshape(n, H, nope + rope)
+        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
+        latent = np.ascontiguousarray(ckv[:, :r])
+        ops.rmsnorm(latent, latent, w["kv_a_norm"], m.norm_eps)
+        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
+        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        for t in (q_rope, k_rope):
+            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
+        cache[pos0 : pos0 + n, 0, :r] = latent
+        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        if not x.shared:
+            kv.index_sel = self._dsa_select(i, h, qa, kv, pos0)
+        elif kv.index_sel is None or len(kv.index_sel) != n:
+            raise ValueError(f"layer {i}: a shared DSA layer needs a full indexer layer before it")
+        sel = kv.index_sel
+        q_abs = np.empty((n, H, r + rope), dtype=np.float32)
+        q_abs[:, :, :r] = np.matmul(q[:, :, :nope].transpose(1, 0, 2), w["w_uk"]).transpose(1, 0, 2)
+        q_abs[:, :, r:] = q_rope
+        out = np.empty((n, H, r + rope), dtype=np.float32)
+        # tokens 0 .. n_dense-1 select their whole past (pos0 + s + 1 <= index_topk)
+        n_dense = min(n, max(0, x.index_topk - pos0))
+        if n_dense:
+            ops.attention(
+                out[:n_dense], q_abs[:n_dense], cache, cache, n_kv=pos0 + n_dense,
+                q_pos0=pos0, scale=a.scale, nthreads=self.nthreads,
+            )  # fmt: skip
+        for s in range(n_dense, n):
+            rows = np.ascontiguousarray(cache[np.sort(sel[s][sel[s] >= 0])])
+            k = len(rows)
+            ops.attention(
+                out[s : s + 1], q_abs[s : s + 1], rows, rows, n_kv=k, q_pos0=k - 1,
+                scale=a.scale, nthreads=self.nthreads,
+            )  # fmt: skip
+        v = np.matmul(out[:, :, :r].transpose(1, 0, 2), w["w_uv_t"])  # [H, n, v_head_dim]
+        return np.ascontiguousarray(v.transpose(1, 0, 2))
+
+    def _dsa_select(
+        self, i: int, h: np.ndarray, q_resid: np.ndarray, kv: KVCache, pos0: int
+    ) -> np.ndarray:
+        """Layer i's indexer on normed input h f32 [n, d_model] and q_resid f32
+        [n, q_lora_rank]: caches the index keys of positions pos0.. and returns each token's
+        selection, int32 [n, min(index_topk, pos0 + n)], -1 padded (a token with at most
+        index_topk positions before it selects them all). Scores as DeepseekV32Indexer:
+        sum_h w_h relu(q_h . k_t / sqrt(head_dim)), w = weights_proj(h) / sqrt(n_heads)."""
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        x, n = a.indexer, h.shape[0]
+        hd, nh, T = x.index_head_dim, x.index_n_heads, pos0 + n
+        iq = w["idx_wq_b"](q_resid, nthreads=self.nthreads).reshape(n, nh, hd)
+        ik = w["idx_wk"](h, nthreads=self.nthreads)
+        mean = ik.mean(axis=-1, keepdims=True, dtype=np.float32)
+        var = np.square(ik - mean).mean(axis=-1, keepdims=True, dtype=np.float32)
+        ik = (ik - mean) / np.sqrt(var + np.float32(x.norm_eps))
+        ik = (ik * w["idx_k_norm"] + w["idx_k_norm_bias"]).astype(np.float32)[:, None, :]
+        pos = np.arange(pos0, T, dtype=np.int32)
+        for t in (iq, ik):
+            ops.rope(t, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=x.rope_mode)
+        keys = kv.index_k[i]
+        keys[pos0:T] = ik[:, 0]
+        k_all = keys[:T].astype(np.float32, copy=False)
+        weights = w["idx_weights_proj"](h, nthreads=self.nthreads) * np.float32(nh**-0.5)
+        kk = min(x.index_topk, T)
+        sel = np.full((n, kk), -1, dtype=np.int32)
+        n_dense = min(n, max(0, x.index_topk - pos0))
+        for s in range(n_dense):
+            sel[s, : pos0 + s + 1] = np.arange(pos0 + s + 1, dtype=np.int32)
+        if n_dense < n:
+            # [n', heads, T]: relu(q . k * scale), then the weighted sum over heads
+            dots = np.matmul(iq[n_dense:], k_all.T) * np.float32(hd**-0.5)
+            np.maximum(dots, 0, out=dots)
+            scores = np.matmul(weights[n_dense:, None, :], dots)[:, 0]  # [n', T]
+            for s in range(n_dense, n):
+                c = pos0 + s + 1
+                row = scores[s - n_dense, :c]
+                top = np.argpartition(-row, kk - 1)[:kk]
+                sel[s] = top.astype(np.int32)
+        return sel
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
         """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""
