@@ -157,13 +157,17 @@ class Session:
 
 
 def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
-    """(name, array) of the KV cache, each distinct array once (MLA layers share k and v)."""
+    """(name, array) of the KV cache, each distinct array once (MLA layers share k and v),
+    then the DSA indexer key caches."""
     out, seen = [], set()
     for i, (k, v) in enumerate(zip(seq.kv.k, seq.kv.v, strict=True)):
         for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
             if id(a) not in seen:
                 seen.add(id(a))
                 out.append((name, a))
+    for i, a in enumerate(seq.kv.index_k):  # DSA indexer keys
+        if a is not None:
+            out.append((f"{i}.index_k", a))
     return out
 
 

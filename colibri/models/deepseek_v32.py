@@ -107,8 +107,9 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return base_spec(config, layers, moe, "deepseek_v32")
 
 
-# the indexer: 8 heads of 16 dims (>= qk_rope_head_dim 8), top-12 of a 64-token test run
-TINY_DSA = TINY_MLA | dict(q_lora_rank=48, index_n_heads=8, index_head_dim=16, index_topk=12)
+# the indexer: 32 heads (an exact 0 score, every head relu-ed out, ties at the cut; torch.topk
+# breaks ties its own way) of 16 dims (>= qk_rope_head_dim 8), top-12 of a 64-token test run
+TINY_DSA = TINY_MLA | dict(q_lora_rank=48, index_n_heads=32, index_head_dim=16, index_topk=12)
 
 FAMILY = Family(
     model_type="deepseek_v32",
@@ -156,6 +157,7 @@ FAMILY = Family(
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             rope_parameters=TINY_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
+            index_topk=24,
         ),
         "deepseek_v32_mlp_types_bias": TINY_DSA
         | dict(
@@ -167,7 +169,7 @@ FAMILY = Family(
             attention_bias=True,
             norm_topk_prob=False,
             routed_scaling_factor=1.0,
-            index_topk=5,
+            index_topk=12,
         ),
     },
 )

@@ -94,6 +94,9 @@ FAMILY = Family(
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             indexer_types=["full", "shared", "full"],
+            # this run's greedy path reaches id 1 (GlmMoeDsaConfig's eos), which generate's
+            # min_new_tokens would suppress: no eos, so both sides are plain argmax
+            eos_token_id=None,
         ),
         "glm_moe_dsa_yarn_pattern": TINY_DSA
         | dict(
