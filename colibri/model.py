@@ -18,6 +18,8 @@ from colibri.errors import StoreError
 from colibri.io.format import Store
 from colibri.models.spec import LayerSpec, ModelSpec
 
+_F32 = QType.parse("f32")
+
 
 class Linear:
     """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
@@ -192,8 +194,11 @@ class Model:
         }
         if a.mla is not None:
             w |= self._load_mla(spec)
-            if a.indexer is not None and not a.indexer.shared:
-                w |= self._load_indexer(spec)
+            if a.indexer is not None:  # absorbed kv_b per head, laid out for ops.matmul
+                w["w_uk_t"] = np.ascontiguousarray(w.pop("w_uk").transpose(0, 2, 1))
+                w["w_uv"] = np.ascontiguousarray(w.pop("w_uv_t").transpose(0, 2, 1))
+                if not a.indexer.shared:
+                    w |= self._load_indexer(spec)
         else:
             w |= {
                 "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
@@ -389,8 +394,13 @@ class Model:
         elif kv.index_sel is None or len(kv.index_sel) != n:
             raise ValueError(f"layer {i}: a shared DSA layer needs a full indexer layer before it")
         sel = kv.index_sel
+        # per head with ops.matmul: numpy's stacked matmul on these strided views is ~25x slower
         q_abs = np.empty((n, H, r + rope), dtype=np.float32)
-        q_abs[:, :, :r] = np.matmul(q[:, :, :nope].transpose(1, 0, 2), w["w_uk"]).transpose(1, 0, 2)
+        q_nope = np.ascontiguousarray(q[:, :, :nope].transpose(1, 0, 2))  # [H, n, nope]
+        tmp = np.empty((n, r), dtype=np.float32)
+        for head in range(H):
+            ops.matmul(w["w_uk_t"][head], _F32, q_nope[head], tmp, nthreads=self.nthreads)
+            q_abs[:, head, :r] = tmp
         q_abs[:, :, r:] = q_rope
         out = np.empty((n, H, r + rope), dtype=np.float32)
         # tokens 0 .. n_dense-1 select their whole past (pos0 + s + 1 <= index_topk)
@@ -407,8 +417,15 @@ class Model:
                 out[s : s + 1], q_abs[s : s + 1], rows, rows, n_kv=k, q_pos0=k - 1,
                 scale=a.scale, nthreads=self.nthreads,
             )  # fmt: skip
-        v = np.matmul(out[:, :, :r].transpose(1, 0, 2), w["w_uv_t"])  # [H, n, v_head_dim]
-        return np.ascontiguousarray(v.transpose(1, 0, 2))
+        o_lat = np.ascontiguousarray(out[:, :, :r].transpose(1, 0, 2))  # [H, n, rank]
+        v, tmp = (
+            np.empty((n, H, a.v_head_dim), dtype=np.float32),
+            np.empty((n, a.v_head_dim), dtype=np.float32),
+        )
+        for head in range(H):
+            ops.matmul(w["w_uv"][head], _F32, o_lat[head], tmp, nthreads=self.nthreads)
+            v[:, head] = tmp
+        return v
 
     def _dsa_select(
         self, i: int, h: np.ndarray, q_resid: np.ndarray, kv: KVCache, pos0: int
@@ -432,7 +449,6 @@ class Model:
             ops.rope(t, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=x.rope_mode)
         keys = kv.index_k[i]
         keys[pos0:T] = ik[:, 0]
-        k_all = keys[:T].astype(np.float32, copy=False)
         weights = w["idx_weights_proj"](h, nthreads=self.nthreads) * np.float32(nh**-0.5)
         kk = min(x.index_topk, T)
         sel = np.full((n, kk), -1, dtype=np.int32)
@@ -440,10 +456,11 @@ class Model:
         for s in range(n_dense):
             sel[s, : pos0 + s + 1] = np.arange(pos0 + s + 1, dtype=np.int32)
         if n_dense < n:
-            # [n', heads, T]: relu(q . k * scale), then the weighted sum over heads
-            dots = np.matmul(iq[n_dense:], k_all.T) * np.float32(hd**-0.5)
-            np.maximum(dots, 0, out=dots)
-            scores = np.matmul(weights[n_dense:, None, :], dots)[:, 0]  # [n', T]
+            scores = np.empty((n - n_dense, T), dtype=np.float32)
+            ops.index_scores(
+                scores, np.ascontiguousarray(iq[n_dense:]), np.ascontiguousarray(weights[n_dense:]),
+                keys, n_kv=T, q_pos0=pos0 + n_dense, scale=hd**-0.5, nthreads=self.nthreads,
+            )  # fmt: skip
             for s in range(n_dense, n):
                 c = pos0 + s + 1
                 row = scores[s - n_dense, :c]

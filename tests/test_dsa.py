@@ -109,3 +109,27 @@ async def test_session_keeps_the_index_keys(glm, tmp_path):
                 assert np.array_equal(a[: len(PROMPT)], b[: len(PROMPT)]) and a[:1].any()
         tok = int(np.argmax(logits))
         assert np.array_equal(await engine.forward(seq, [tok]), await engine.forward(again, [tok]))
+
+
+@pytest.mark.parametrize("k_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("n_q", "n_kv", "q_pos0", "n_heads", "d"),
+                         [(1, 1, 0, 1, 1), (1, 300, 299, 32, 128), (7, 90, 40, 4, 20),
+                          (3, 5, 2, 64, 17)])  # fmt: skip
+def test_index_scores_kernel(isa, k_dtype, n_q, n_kv, q_pos0, n_heads, d):
+    """ops.index_scores (C, per ISA) against the numpy formula of DeepseekV32Indexer."""
+    from colibri.compute import ops
+
+    rng = np.random.default_rng(n_kv + d)
+    q = rng.standard_normal((n_q, n_heads, d)).astype(np.float32)
+    w = rng.standard_normal((n_q, n_heads)).astype(np.float32)
+    k = rng.standard_normal((n_kv + 2, d)).astype(k_dtype)
+    out = np.full((n_q, n_kv), np.nan, np.float32)
+    ops.index_scores(out, q, w, k, n_kv, q_pos0, d**-0.5)
+    kf = k[:n_kv].astype(np.float64)
+    want = np.einsum("ih,iht->it", w, np.maximum(q.astype(np.float64) @ kf.T * d**-0.5, 0))
+    for i in range(n_q):
+        p = q_pos0 + i
+        np.testing.assert_allclose(out[i, : p + 1], want[i, : p + 1], rtol=1e-5, atol=1e-5)
+        assert np.all(out[i, p + 1 :] == -np.inf)
+    with pytest.raises(ops.KernelError, match="index_scores: n_kv"):
+        ops.index_scores(out, q, w, k, n_kv + 3, q_pos0, 1.0)
