@@ -5,6 +5,7 @@ keys out, every dense tensor name and shape, and the multimodal `text_config` ho
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import importlib
 import json
@@ -107,7 +108,9 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
     builds from the same dict (AutoConfig.for_model): sizes, top-k, expert count, norm eps,
     tied embeddings, heads, RoPE frequencies and scale, sliding windows, routing settings."""
     fam = registry.family(model_type)
-    given = {"num_experts_per_tok": 6, **minimal}  # DeepseekV2Config's default is None
+    # a copy: transformers adds keys to the rope dict it is given (glm4_moe's
+    # partial_rotary_factor would leak into the next family's case)
+    given = {"num_experts_per_tok": 6, **copy.deepcopy(minimal)}  # DeepseekV2Config: None
     hf = hf_config(model_type, **given)
     spec = registry.model_spec({"model_type": model_type, **given})
     r = spec.moe.router

@@ -38,12 +38,12 @@ def mlp_layer_types(config: dict[str, Any]) -> list[str]:
     if types is None:
         n_dense = min(get(config, "first_k_dense_replace", default=0), n)
         return ["dense"] * n_dense + ["sparse"] * (n - n_dense)
-    if not isinstance(types, list) or len(types) != n or set(types) - {"dense", "sparse"}:
+    if not isinstance(types, list) or len(types) < n or set(types) - {"dense", "sparse"}:
         raise ValueError(
             f"config field mlp_layer_types: must list 'dense' or 'sparse' for each of the {n} "
             f"layers, got {types!r}"
         )
-    return list(types)
+    return list(types[:n])  # transformers reads entry i of layer i: a longer list is fine
 
 
 def dsa_layers(

@@ -31,14 +31,14 @@ def indexer_types(config: dict[str, Any]) -> list[str]:
             freq = max(config.get("index_topk_freq", 1), 1)
             offset = config.get("index_skip_topk_offset", 2)
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or set(types) - {"full", "shared"}:
+    if not isinstance(types, list) or len(types) < n or set(types) - {"full", "shared"}:
         raise ValueError(
             f"config field indexer_types: must list 'full' or 'shared' for each of the {n} "
             f"layers, got {types!r}"
         )
-    if types and types[0] == "shared":
+    if n and types[0] == "shared":
         raise ValueError("config field indexer_types: layer 0 is 'shared' but no layer before it")
-    return list(types)
+    return list(types[:n])  # transformers reads entry i of layer i: a longer list is fine
 
 
 def model_spec(config: dict[str, Any]) -> ModelSpec:
