@@ -133,3 +133,24 @@ def test_index_scores_kernel(isa, k_dtype, n_q, n_kv, q_pos0, n_heads, d):
         assert np.all(out[i, p + 1 :] == -np.inf)
     with pytest.raises(ops.KernelError, match="index_scores: n_kv"):
         ops.index_scores(out, q, w, k, n_kv + 3, q_pos0, 1.0)
+
+
+async def test_prefix_cache_carries_the_index_keys(glm):
+    """A prompt whose prefix comes from the prefix cache gets that prefix's indexer keys too,
+    so its logits are the cold run's."""
+    from colibri.prefix_cache import PrefixCache
+
+    _model, _src, store = glm
+    cache = PrefixCache(1 << 26, block_size=8)
+    async with open_engine(store, activations="f32") as engine:
+        cold = engine.new_sequence()
+        want = await engine.forward(cold, PROMPT)
+        cache.store(PROMPT, cold.kv)
+        warm = engine.new_sequence()
+        n = cache.lookup(PROMPT, warm.kv)
+        assert n == 32
+        for a, b in zip(cold.kv.index_k, warm.kv.index_k, strict=True):
+            if a is not None:
+                assert np.array_equal(a[:n], b[:n]) and a[:1].any()
+        got = await engine.forward(warm, PROMPT[n:])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -1,0 +1,336 @@
+"""`colibri bench` section "quality": what each expert format and activation path costs.
+
+Two models: the embedded demo (a trained 4-layer Mixtral, vocab 2048; its store holds q8_0
+weights, so its "f32 store" is those weights dequantized) and a Mixtral-shaped random model
+built with transformers (the OLMoE tokenizer, vocab 50304; random weights, so its PPL only
+tells the formats apart, KL and routing agreement are the figures). For each: the f32 store
+and one store per expert format (q8_0, q4_0, q4_1, f16, bf16; dense weights f32 in every store,
+so only the experts' format changes), each run with --activations f32 and, where it differs
+(q4_0, q8_0 weights), q8_0. Every variant runs `colibri eval --task perplexity` (llama-perplexity's
+method, ctx 128) on the same real text (../shared/data/text, c4) against the f32 store: PPL,
+mean / p99 KL(f32 || variant), top-1 agreement, routing agreement (identical top-k set,
+averaged over MoE layers). Eval tokens/s stands next to the same engine's prefill tokens/s
+(`Engine.forward` on one 128-token prompt, as `colibri run` prefills). llama.cpp's
+llama-perplexity on the q4_0 GGUF (colibri.export_gguf, same bytes) beside colibri's when
+tools/build_llama_cpp.sh has built it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import lzma
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.report import ROOT, Context, Headline, Section, fmt, table
+
+TITLE = "Quality per expert format (perplexity, KL, routing agreement)"
+FORMATS = ("q8_0", "q4_0", "q4_1", "f16", "bf16")
+Q8_ACT = ("q4_0", "q8_0")
+CTX = 128
+TEXT = ROOT.parent / "shared" / "data" / "text" / "olmoe_routing_c4_texts.txt.xz"
+OLMOE_TOKENIZER = ROOT.parent / "shared/data/tokenizers/olmoe/allenai_gpt-neox-olmo-dolma-v1_5.json"
+
+
+def _shared(path: Path) -> Path:
+    """path, or the same file one level up (a worktree at /work/wt/<name>)."""
+    if path.exists():
+        return path
+    alt = ROOT.parents[1] / path.relative_to(ROOT.parent)
+    if alt.exists():
+        return alt
+    raise FileNotFoundError(f"{path}: shared data missing")
+
+
+def _to_f32(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored bytes (uint8) of one tensor in `qtype` -> float32 [shape]."""
+    from colibri.compute import ops
+
+    if qtype == "f32":
+        return raw.view(np.float32).reshape(shape)
+    if qtype == "f16":
+        return raw.view(np.float16).astype(np.float32).reshape(shape)
+    if qtype == "bf16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return ops.dequantize(raw.reshape(shape[0], -1), ops.QType.parse(qtype), shape)
+
+
+def requantize(src: Path, out: Path, qtype: str) -> Path:
+    """A copy of store `src` with expert weights in `qtype` (dequantized from src's format,
+    then quantized) and every dense tensor f32. Kept if `out` exists already."""
+    from colibri.compute import ops
+    from colibri.convert import quantize
+    from colibri.io.format import ExpertLayout, StoreWriter, open_store
+
+    if (out / "manifest.json").exists():
+        return out
+    store = open_store(src)
+    lay = store.layout
+    layout = ExpertLayout.build(qtype, lay.d_model, lay.d_ff, biases="gate_bias" in lay.tensors)
+    experts = np.memmap(store.experts_path, dtype=np.uint8, mode="r")
+    with StoreWriter(out, layout, force=True) as w:
+        names = store.dense_names()
+        shapes = {n: store.dense(n)[2] for n in names}
+        w.begin_dense([(n, "f32", shapes[n]) for n in names])
+        for n in names:
+            data, qt, shape = store.dense(n)
+            if data.dtype != np.float32:  # GGML blocks
+                data = ops.dequantize(data, ops.QType.parse(qt), shape)
+            w.write_dense(n, np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+        for r in sorted(store.records, key=lambda r: (r.layer, r.expert)):
+            rec = experts[r.offset : r.offset + r.nbytes]
+            parts = {}
+            for name, t in lay.tensors.items():
+                raw = rec[t.offset : t.offset + t.nbytes]
+                if name.endswith("_bias"):
+                    parts[name] = raw.copy()
+                    continue
+                parts[name] = quantize(_to_f32(raw, t.qtype, t.shape), qtype)
+            w.write_expert(r.layer, r.expert, parts)
+        for name in store.manifest.get("tokenizer_files", []):
+            w.add_file(name, (src / name).read_bytes())
+        return w.finish(
+            store.manifest["model_type"],
+            store.config,
+            {"kind": "requantized", "from": str(src), "quant": qtype},
+        )
+
+
+def mixtral_model(out: Path) -> Path:
+    """A Mixtral-architecture random model (hidden 256, 4 layers, 8 experts top-2, d_ff 512)
+    with the OLMoE tokenizer, converted to an f32 store at out/f32."""
+    from colibri.convert import convert
+
+    store = out / "f32"
+    if (store / "manifest.json").exists():
+        return store
+    import json
+
+    import torch
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=50304,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    hf = out / "hf"
+    model.save_pretrained(hf, safe_serialization=True)
+    (hf / "tokenizer.json").write_bytes(_shared(OLMOE_TOKENIZER).read_bytes())
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return convert(hf, store, quant="f32", dense_quant="f32", force=True, show_progress=False)
+
+
+async def _measure(
+    store: Path,
+    ref: Path,
+    text: str,
+    acts: str,
+    windows: int,
+    threads: int,
+    budget: int | None = None,
+) -> dict[str, Any]:
+    from colibri.engine import open_engine
+    from colibri.eval.cli import eval_perplexity
+
+    opts = dict(n_ctx=CTX, threads=threads)
+    async with (
+        open_engine(store, activations=acts, budget=budget, **opts) as engine,
+        open_engine(ref, activations="f32", **opts) as reference,
+    ):
+        res = await eval_perplexity(
+            engine, text, CTX, reference=reference, limit=windows, show_progress=False
+        )
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)[:CTX]
+        times = []
+        for _ in range(3):  # prefill of one CTX-token prompt, median of 3 (warm cache)
+            seq = engine.new_sequence(n_ctx=CTX)
+            t0 = time.perf_counter()
+            await engine.forward(seq, ids)
+            times.append(time.perf_counter() - t0)
+    m = res["metrics"]
+    return {
+        "ppl": m["ppl"],
+        "ppl_stderr": m["ppl_stderr"],
+        "kl_mean": m["kl_mean"],
+        "kl_p99": m["kl_p99"],
+        "kl_max": m["kl_max"],
+        "top1": m["top1_agreement"],
+        "routing": float(np.mean(m["routing_agreement"])) if m["routing_agreement"] else None,
+        "routing_per_layer": m["routing_agreement"],
+        "overlap_per_layer": m["routing_overlap"],
+        "tokens_scored": m["tokens_scored"],
+        "eval_tok_s": res["statistics"]["tokens_per_second"],
+        "prefill_tok_s": CTX / float(np.median(times)),
+        "hit_rate": res["statistics"]["hit_rate"],
+    }
+
+
+def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) -> float | None:
+    """llama-perplexity's final PPL on the store exported to GGUF, or None if not built."""
+    from bench import llama_cpp
+
+    try:
+        exe = llama_cpp.llama_bin_dir() / "llama-perplexity"
+    except FileNotFoundError:
+        return None
+    if not exe.is_file():
+        return None
+    from colibri.export_gguf import export_gguf
+
+    gguf = export_gguf(store, store.with_suffix(".gguf"), force=True)
+    res = ctx.run(
+        [
+            str(exe),
+            "-m",
+            str(gguf),
+            "-f",
+            str(text_file),
+            "-c",
+            str(CTX),
+            "--chunks",
+            str(windows),
+            "-t",
+            str(ctx.threads),
+        ],
+        check=False,
+        timeout=1800,
+    )
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+    return float(m.group(1)) if m else None
+
+
+def run(ctx: Context) -> Section:
+    text_path = _shared(TEXT)
+    with lzma.open(text_path, "rt") as f:
+        text = f.read(400_000)
+    text_file = ctx.work / "quality_text.txt"
+    text_file.write_text(text)
+    windows = 8 if ctx.quick else 32
+    work = ctx.work / "quality"
+    work.mkdir(parents=True, exist_ok=True)
+    models = {"demo": requantize(ROOT / "colibri/data/demo", work / "demo-f32", "f32")}
+    try:
+        models["mixtral-shaped"] = mixtral_model(work / "mixtral")
+    except ImportError as exc:  # transformers / torch: test extras
+        ctx.log(f"quality: no Mixtral-shaped model ({exc})")
+    rows, data = [], {"ctx": CTX, "windows": windows, "models": {}}
+    heads = []
+    for name, ref in models.items():
+        results: dict[str, Any] = {}
+        for qtype in ("f32", *FORMATS):
+            store = ref if qtype == "f32" else requantize(ref, work / f"{name}-{qtype}", qtype)
+            for acts in ("f32", "q8_0") if qtype in Q8_ACT else ("f32",):
+                ctx.log(f"quality: {name} {qtype} activations {acts}")
+                r = asyncio.run(_measure(store, ref, text, acts, windows, ctx.threads))
+                if qtype == "q4_0" and acts == "q8_0":
+                    r["llama_ppl"] = _llama_perplexity(ctx, store, text_file, windows)
+                results[f"{qtype}/{acts}"] = r
+                rows.append(
+                    [
+                        name,
+                        qtype,
+                        acts,
+                        fmt(r["ppl"], 4),
+                        fmt(r["kl_mean"], 3),
+                        fmt(r["kl_p99"], 3),
+                        f"{r['top1']:.3f}",
+                        "-" if r["routing"] is None else f"{r['routing']:.3f}",
+                        fmt(r["eval_tok_s"], 4),
+                        fmt(r["prefill_tok_s"], 4),
+                        fmt(r.get("llama_ppl"), 4) if "llama_ppl" in r else "",
+                    ]
+                )
+        # out of core: an expert cache of a third of the q4_0 store's experts
+        from colibri.io.format import open_store
+
+        q4_store = work / f"{name}-q4_0"
+        budget = sum(r.nbytes for r in open_store(q4_store).records) // 3
+        ctx.log(f"quality: {name} q4_0 activations q8_0, budget {budget >> 10} KiB")
+        r = asyncio.run(_measure(q4_store, ref, text, "q8_0", windows, ctx.threads, budget))
+        results["q4_0/q8_0/budget_third"] = r
+        rows.append(
+            [
+                f"{name} (1/3 of experts cached: hit rate {r['hit_rate']:.0%})",
+                "q4_0",
+                "q8_0",
+                fmt(r["ppl"], 4),
+                fmt(r["kl_mean"], 3),
+                fmt(r["kl_p99"], 3),
+                f"{r['top1']:.3f}",
+                "-" if r["routing"] is None else f"{r['routing']:.3f}",
+                fmt(r["eval_tok_s"], 4),
+                fmt(r["prefill_tok_s"], 4),
+                "",
+            ]
+        )
+        data["models"][name] = results
+        q4 = results["q4_0/q8_0"]
+        heads.append(
+            Headline(
+                f"{name}: q4_0 KL vs f32 (ctx {CTX})",
+                "nats/token",
+                q4["kl_mean"],
+                note="mean KL(f32 || q4_0), q8_0 activations",
+            )
+        )
+        heads.append(
+            Headline(
+                f"{name}: eval vs prefill tok/s (q4_0)",
+                "tok/s",
+                q4["eval_tok_s"],
+                peer=None,
+                limit=q4["prefill_tok_s"],
+                limit_name="prefill",
+                target=">= prefill",
+            )
+        )
+    md = [
+        f"`colibri eval --task perplexity` (llama-perplexity's method: windows of {CTX} tokens, "
+        f"second half scored, {windows} windows of real c4 text) of each store against its "
+        "f32 store. Dense weights are f32 in every store; only the experts' format changes. "
+        "KL = KL(f32 || variant) per scored token (nats); routing = fraction of tokens whose "
+        "top-k expert set equals the f32 run's, averaged over MoE layers (per layer in "
+        "results.json). eval tok/s counts every token fed; prefill tok/s: one "
+        f"{CTX}-token prompt through `Engine.forward`, median of 3 (after the eval run: warm "
+        "cache). The row marked 1/3 runs the q4_0 store with an expert cache of a third of its "
+        "experts (out of core; records come from the page cache here). The Mixtral-shaped "
+        "model has random weights (PPL near its vocabulary size): its KL and routing figures "
+        "are what tell formats apart.",
+        "",
+        table(
+            [
+                "model",
+                "experts",
+                "activations",
+                "PPL",
+                "KL mean",
+                "KL p99",
+                "top-1",
+                "routing",
+                "eval tok/s",
+                "prefill tok/s",
+                "llama-perplexity PPL",
+            ],
+            rows,
+        ),
+    ]
+    if not any(
+        "llama_ppl" in r and r["llama_ppl"] for m in data["models"].values() for r in m.values()
+    ):
+        md += ["", "llama-perplexity: not built (tools/build_llama_cpp.sh), column empty."]
+    return Section(key="quality", title=TITLE, markdown="\n".join(md), data=data, headlines=heads)

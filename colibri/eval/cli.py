@@ -1,0 +1,318 @@
+"""`colibri eval [STORE] --task TASK --data PATH`: a store's measured quality.
+
+    colibri eval STORE --task perplexity --data text.txt [--ctx 512] [--reference F32_STORE]
+    colibri eval STORE --task hellaswag --data hellaswag_validation.jsonl.xz --limit 500
+    colibri eval STORE --task mmlu --data mmlu_test.jsonl.xz --shots 5 --json out.json
+
+The embedded demo model when STORE is omitted; the engine options of `colibri run`. A
+progress bar with ETA on a terminal. --json FILE writes {"task", "store", "n", "metrics",
+"statistics", "items"} (metrics that do not apply are absent; written to a temporary, then
+renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibri import run as run_cmd
+from colibri.engine import DEFAULT_N_CTX, Engine, open_engine
+from colibri.eval import scoring
+from colibri.eval.data import EvalError, read_records, read_text
+from colibri.eval.tasks import TASKS, build_requests
+
+PPL_CTX = 512  # llama-perplexity's default --ctx-size for perplexity
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a store made by `colibri convert` (default: the embedded demo model)",
+    )
+    p.add_argument("--task", required=True, choices=["perplexity", *TASKS], help="what to measure")
+    p.add_argument(
+        "--data",
+        required=True,
+        type=Path,
+        help="perplexity: a UTF-8 text file (plain/.gz/.xz); multiple choice: the dataset's "
+        "records as JSON lines (plain/.gz/.xz), parquet, or a datasets.save_to_disk folder",
+    )
+    p.add_argument("--limit", type=int, help="only the first N items (perplexity: N windows)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write metrics and items as JSON")
+    p.add_argument(
+        "--reference",
+        metavar="STORE2",
+        help="perplexity: the same model in another format (e.g. the f32 store): per-token "
+        "KL(reference || this), top-1 and routing agreement",
+    )
+    p.add_argument("--shots", type=int, default=0, help="mmlu: few-shot examples (0..5)")
+    p.add_argument(
+        "--fewshot-data",
+        type=Path,
+        help="mmlu: the dev split for --shots (default: --data with 'test' replaced by 'dev')",
+    )
+    run_cmd.add_engine_options(p)
+    for action in p._actions:  # --ctx: the perplexity window here, llama-perplexity's 512
+        if action.dest == "n_ctx":
+            action.default = None
+            action.help = (
+                f"perplexity: window length in tokens (default {PPL_CTX}); multiple choice: "
+                f"context length (default {DEFAULT_N_CTX})"
+            )
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts = {k: getattr(args, k) for k in run_cmd.ENGINE_OPTIONS}
+    opts["n_ctx"] = args.n_ctx or (PPL_CTX if args.task == "perplexity" else DEFAULT_N_CTX)
+    return opts
+
+
+def _progress(total: int, unit: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, disable=None, file=sys.stderr, dynamic_ncols=True)
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """obj as JSON at path, through a temporary in the same folder and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _statistics(engine: Engine, c0: Any, counters: scoring.Counters) -> dict[str, Any]:
+    c1 = engine.statistics()["cache"]
+    hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
+    return {
+        "tokens": counters.tokens,
+        "seconds": round(counters.seconds, 3),
+        "tokens_per_second": counters.tokens / counters.seconds if counters.seconds else 0.0,
+        "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+        "bytes_read": c1.bytes_read - c0.bytes_read,
+    }
+
+
+def _tokenizer(engine: Engine) -> Any:
+    if engine.tokenizer is None:
+        raise EvalError(f"{engine.store.path}: the store has no tokenizer.json")
+    return engine.tokenizer
+
+
+def _check_ctx(engine: Engine, args: argparse.Namespace) -> None:
+    limit = engine.spec.max_position_embeddings
+    if args.n_ctx is not None and args.n_ctx > limit:
+        raise EvalError(
+            f"--ctx {args.n_ctx} exceeds the model's context length {limit} "
+            "(max_position_embeddings)"
+        )
+
+
+async def eval_perplexity(
+    engine: Engine,
+    text: str,
+    n_ctx: int,
+    *,
+    reference: Engine | None = None,
+    limit: int | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Perplexity of `text` on engine (and against `reference`): the JSON's metrics and
+    statistics. Raises EvalError (no tokenizer, text shorter than one window)."""
+    tokens, bos = scoring.text_tokens(_tokenizer(engine), text)
+    n_windows = len(tokens) // n_ctx if limit is None else min(limit, len(tokens) // n_ctx)
+    c0 = engine.statistics()["cache"]
+    bar = _progress(n_windows, "window") if show_progress and n_windows else None
+    try:
+        res = await scoring.perplexity(
+            engine, tokens, n_ctx, bos=bos, reference=reference, limit=limit,
+            progress=bar.update if bar is not None else None,
+        )  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    ppl, err = scoring.ppl_and_stderr(res.nll)
+    metrics: dict[str, Any] = {"ppl": ppl, "ppl_stderr": err, "tokens_scored": len(res.nll)}
+    if res.kl is not None and res.top1 is not None and res.ref_nll is not None:
+        metrics |= {
+            "kl_mean": float(res.kl.mean()),
+            "kl_median": float(np.median(res.kl)),
+            "kl_p99": float(np.percentile(res.kl, 99)),
+            "kl_max": float(res.kl.max()),
+            "top1_agreement": float(res.top1.mean()),
+            "routing_agreement": res.routing_agreement,
+            "routing_overlap": res.routing_overlap,
+            "routing_layers": res.moe_layers,
+            "reference_ppl": scoring.ppl_and_stderr(res.ref_nll)[0],
+        }
+    return {
+        "n": len(tokens) // n_ctx if limit is None else min(limit, len(tokens) // n_ctx),
+        "metrics": metrics,
+        "statistics": _statistics(engine, c0, res.counters),
+    }
+
+
+async def eval_choice(
+    engine: Engine,
+    task: str,
+    docs: list[dict[str, Any]],
+    source: str,
+    *,
+    shots: int = 0,
+    fewshot_docs: list[dict[str, Any]] | None = None,
+    fewshot_source: str = "",
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """A multiple-choice task on docs: the JSON's n, metrics, statistics and items.
+    Raises EvalError (bad fields, an item longer than the context)."""
+    requests = build_requests(
+        task, docs, source, shots=shots, fewshot_docs=fewshot_docs or [],
+        fewshot_source=fewshot_source,
+    )  # fmt: skip
+    tok = _tokenizer(engine)
+    counters = scoring.Counters()
+    c0 = engine.statistics()["cache"]
+    items = []
+    bar = _progress(len(requests), "item") if show_progress else None
+    try:
+        for i, r in enumerate(requests):
+            pairs = [
+                scoring.encode_pair(tok, c, t)
+                for c, t in zip(r.contexts, r.continuations, strict=True)
+            ]
+            try:
+                lps = await scoring.score_requests(engine, pairs, counters)
+            except EvalError as exc:
+                raise EvalError(f"{source}:item {i}: {exc}") from None
+            logprobs = [float(lp.sum()) for lp in lps]
+            nchars = [len(c) for c in r.choices]
+            pred, pred_norm = scoring.choose(logprobs, nchars)
+            items.append(
+                {"gold": r.gold, "logprobs": logprobs, "nchars": nchars, "pred": pred,
+                 "pred_norm": pred_norm}
+            )  # fmt: skip
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    acc = [float(it["pred"] == it["gold"]) for it in items]
+    metrics: dict[str, Any] = {"acc": float(np.mean(acc)), "acc_stderr": scoring.mean_stderr(acc)}
+    if "acc_norm" in TASKS[task].metrics:
+        norm = [float(it["pred_norm"] == it["gold"]) for it in items]
+        metrics |= {"acc_norm": float(np.mean(norm)), "acc_norm_stderr": scoring.mean_stderr(norm)}
+    return {
+        "n": len(items),
+        "metrics": metrics,
+        "statistics": _statistics(engine, c0, counters),
+        "items": items,
+    }
+
+
+def _fewshot_path(args: argparse.Namespace) -> Path:
+    if args.fewshot_data is not None:
+        return args.fewshot_data
+    guess = args.data.with_name(args.data.name.replace("test", "dev"))
+    if guess == args.data or not guess.exists():
+        raise EvalError(f"--shots {args.shots}: give the dev split with --fewshot-data")
+    return guess
+
+
+def summary(task: str, result: dict[str, Any]) -> str:
+    """The human-readable lines printed after a run."""
+    m, s = result["metrics"], result["statistics"]
+    lines = []
+    if "ppl" in m:
+        lines.append(
+            f"{task}: PPL = {m['ppl']:.4f} +/- {m['ppl_stderr']:.5f} over {m['tokens_scored']} "
+            f"tokens ({result['n']} windows)"
+        )
+    if "kl_mean" in m:
+        lines.append(
+            f"reference PPL = {m['reference_ppl']:.4f}; KL(reference || this): mean "
+            f"{m['kl_mean']:.6f}, median {m['kl_median']:.6f}, p99 {m['kl_p99']:.6f}, max "
+            f"{m['kl_max']:.6f}; top-1 agreement {m['top1_agreement']:.2%}"
+        )
+        if m["routing_agreement"]:
+            agree = " ".join(f"{x:.3f}" for x in m["routing_agreement"])
+            over = " ".join(f"{x:.3f}" for x in m["routing_overlap"])
+            lines.append(f"routing agreement per MoE layer: {agree}")
+            lines.append(f"routing overlap per MoE layer:   {over}")
+    if "acc" in m:
+        line = f"{task}: acc {m['acc']:.4f} +/- {m['acc_stderr']:.4f}"
+        if "acc_norm" in m:
+            line += f", acc_norm {m['acc_norm']:.4f} +/- {m['acc_norm_stderr']:.4f}"
+        lines.append(line + f" over {result['n']} items")
+    lines.append(
+        f"[{s['tokens']} tokens in {s['seconds']:.1f} s, {s['tokens_per_second']:.1f} tok/s; "
+        f"hit rate {s['hit_rate']:.1%}; read {s['bytes_read'] / 2**20:.1f} MiB]"
+    )
+    return "\n".join(lines)
+
+
+async def _eval(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise EvalError("--limit must be at least 1")
+    if args.reference and args.task != "perplexity":
+        raise EvalError("--reference applies to --task perplexity")
+    path = Path(args.model) if args.model else run_cmd.DEMO_STORE
+    # read the inputs before loading any weights: a bad file fails at once
+    text, docs, fewshot = None, None, None
+    if args.task == "perplexity":
+        text = read_text(args.data)
+    else:
+        docs = read_records(args.data)
+        if args.limit is not None:
+            docs = docs[: args.limit]
+        if args.shots:
+            fewshot_path = _fewshot_path(args)
+            fewshot = read_records(fewshot_path)
+        fewshot_source = str(fewshot_path) if args.shots else ""
+        # validates every item's fields now
+        build_requests(
+            args.task, docs, str(args.data), shots=args.shots, fewshot_docs=fewshot or [],
+            fewshot_source=fewshot_source,
+        )  # fmt: skip
+    opts = _engine_options(args)
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(open_engine(path, **opts))
+        _check_ctx(engine, args)
+        if args.task == "perplexity":
+            reference = None
+            if args.reference:
+                ref_opts = opts | {"trace": None}
+                reference = await stack.enter_async_context(open_engine(args.reference, **ref_opts))
+                scoring.check_same_model(engine, reference, args.reference)
+            assert text is not None
+            result = await eval_perplexity(
+                engine, text, opts["n_ctx"], reference=reference, limit=args.limit
+            )
+        else:
+            assert docs is not None
+            result = await eval_choice(
+                engine, args.task, docs, str(args.data), shots=args.shots, fewshot_docs=fewshot,
+                fewshot_source=fewshot_source,
+            )  # fmt: skip
+    out = {"task": args.task, "store": str(path), **result}
+    if args.reference:
+        out["reference"] = str(args.reference)
+    print(summary(args.task, out))
+    if args.json is not None:
+        write_json(args.json, out)
+    return 0
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    return asyncio.run(_eval(args))
