@@ -19,6 +19,7 @@ from colibri.errors import StoreError
 from colibri.io.format import ExpertLayout, Store
 from colibri.models.spec import LayerSpec, ModelSpec
 
+_F32 = QType.parse("f32")
 GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
 
 
@@ -114,6 +115,10 @@ class KVCache:
     Multi-head latent attention layers keep the compressed form instead: k[layer] is
     v[layer] (one array), [n_ctx, 1, kv_lora_rank + qk_rope_head_dim] holding the normed latent
     then the rotated rope key; memory layers * n_ctx * (kv_lora_rank + rope) * itemsize.
+    DSA layers (spec.IndexerSpec) with their own indexer also keep its keys:
+    index_k[layer] [n_ctx, index_head_dim] (None for other layers); index_sel holds the top-k
+    selection of the last full indexer layer for the tokens being computed (int32
+    [n_tokens, k], -1 padding), which "shared" layers reuse.
     Gated DeltaNet layers (LayerSpec.linear_attn) keep a fixed-size state instead, always f32:
     conv[layer] [linear_conv_kernel_dim - 1, conv_dim], the conv's last inputs, and
     recurrent[layer] [linear_num_value_heads, linear_key_head_dim, linear_value_head_dim];
@@ -128,6 +133,8 @@ class KVCache:
     length: int = 0
     conv: list[np.ndarray | None] = field(default_factory=list)
     recurrent: list[np.ndarray | None] = field(default_factory=list)
+    index_k: list[np.ndarray | None] = field(default_factory=list)
+    index_sel: np.ndarray | None = None
 
     @property
     def recurrent_state(self) -> bool:
@@ -160,6 +167,8 @@ class KVCache:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
             else:
                 per_token += a.n_kv_heads * (a.head_dim + a.v_head_dim)
+            if a.indexer is not None and not a.indexer.shared:  # DSA indexer keys
+                per_token += a.indexer.index_head_dim
         return per_token * n_ctx * np.dtype(dtype).itemsize
 
     @classmethod
@@ -167,11 +176,15 @@ class KVCache:
         """Zeroed keys and values for `n_ctx` tokens. Raises MemoryError when they do not
         fit (callers check nbytes_for against the available memory first)."""
         k, v = [], []
+        index_k: list[np.ndarray | None] = []
         conv: list[np.ndarray | None] = []
         recurrent: list[np.ndarray | None] = []
         for layer in spec.layers:
             a = layer.attention
             g = layer.linear_attn
+            x = a.indexer
+            own = x is not None and not x.shared
+            index_k.append(np.zeros((n_ctx, x.index_head_dim), dtype=dtype) if own else None)
             conv.append(
                 None
                 if g is None
@@ -196,12 +209,13 @@ class KVCache:
                 continue
             k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
             v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
-        return cls(k, v, n_ctx, conv=conv, recurrent=recurrent)
+        return cls(k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k)
 
     @property
     def nbytes(self) -> int:
         arrays = {id(a): a for a in (*self.k, *self.v)}  # MLA layers share one array
         arrays |= {id(a): a for a in (*self.conv, *self.recurrent) if a is not None}
+        arrays |= {id(a): a for a in self.index_k if a is not None}
         return sum(a.nbytes for a in arrays.values())
 
 
@@ -290,13 +304,13 @@ class Model:
         lin.pad = self.pad
         return lin
 
-    def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
+    def _load_mla(self, spec: LayerSpec, absorbed: bool = False) -> dict[str, object]:
         """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] stored in a block type
         (MLA_KV_B_QTYPES) stays so, as the Linear "kv_b" (its bytes resident, read per head by
         ops.mla_absorb_q / mla_values); stored float (f32, or f16/bf16 widened by the store) it
         is kept absorbed, f32: w_uk [n_heads, nope, rank] (maps a query's nope part into the
         latent space) and w_uv_t [n_heads, rank, v] (maps an attention output over latents to
-        values)."""
+        values). absorbed: always the f32 arrays (the DSA layers' per-head path)."""
         a, d, n = spec.attention, self.spec.d_model, spec.names
         m, H = a.mla, a.n_heads
         r, nope = m.kv_lora_rank, m.qk_nope_head_dim
@@ -312,7 +326,7 @@ class Model:
         kv_b = self._linear(n["kv_b"], H * (nope + a.v_head_dim), r)
         if kv_b.bias is not None:
             raise StoreError(f"{self.store.path}: {n['kv_b']}.bias is not expected (MLA)")
-        if kv_b.qtype in MLA_KV_B_QTYPES and kv_b.w.dtype == np.uint8:
+        if not absorbed and kv_b.qtype in MLA_KV_B_QTYPES and kv_b.w.dtype == np.uint8:
             w["kv_b"] = kv_b  # read in its block type by ops.mla_absorb_q / mla_values
             return w | {"o": self._linear(n["o"], d, H * a.v_head_dim)}
         full = ops.dequantize(kv_b.w, kv_b.qtype, (kv_b.rows, r)).reshape(H, -1, r)
@@ -320,6 +334,19 @@ class Model:
         w["w_uv_t"] = np.ascontiguousarray(full[:, nope:, :].transpose(0, 2, 1))
         w["o"] = self._linear(n["o"], d, H * a.v_head_dim)
         return w
+
+    def _load_indexer(self, spec: LayerSpec) -> dict[str, object]:
+        """The DSA indexer's weights (spec.IndexerSpec): wq_b, wk, weights_proj and the
+        LayerNorm k_norm's weight and bias."""
+        x, n, d = spec.attention.indexer, spec.names, self.spec.d_model
+        hd, q_rank = x.index_head_dim, spec.attention.mla.q_lora_rank
+        return {
+            "idx_wq_b": self._linear(n["idx_wq_b"], x.index_n_heads * hd, q_rank),
+            "idx_wk": self._linear(n["idx_wk"], hd, d),
+            "idx_k_norm": self._vector(f"{n['idx_k_norm']}.weight", hd),
+            "idx_k_norm_bias": self._vector(f"{n['idx_k_norm']}.bias", hd),
+            "idx_weights_proj": self._linear(n["idx_weights_proj"], x.index_n_heads, d),
+        }
 
     def _load_layer(self, spec: LayerSpec) -> dict[str, object]:
         a, d, n = spec.attention, self.spec.d_model, spec.names
@@ -330,7 +357,12 @@ class Model:
         if spec.linear_attn is not None:
             w |= self._load_linear_attn(spec)
         elif a.mla is not None:
-            w |= self._load_mla(spec)
+            w |= self._load_mla(spec, absorbed=a.indexer is not None)
+            if a.indexer is not None:  # absorbed kv_b per head, laid out for ops.matmul
+                w["w_uk_t"] = np.ascontiguousarray(w.pop("w_uk").transpose(0, 2, 1))
+                w["w_uv"] = np.ascontiguousarray(w.pop("w_uv_t").transpose(0, 2, 1))
+                if not a.indexer.shared:
+                    w |= self._load_indexer(spec)
         else:
             w |= {
                 "q": self._linear(n["q"], a.n_heads * a.head_dim * (1 + a.output_gate), d),
@@ -433,6 +465,8 @@ class Model:
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
         if self.spec.layers[i].linear_attn is not None:
             out = self._gated_deltanet(i, h, kv)
+        elif self.spec.layers[i].attention.indexer is not None:
+            out = self._attention_dsa(i, h, kv, pos0)
         elif self.spec.layers[i].attention.mla is not None:
             out = self._attention_mla(i, h, kv, pos0)
         else:
@@ -612,6 +646,113 @@ class Model:
         return ops.mla_values(
             kv_b.w, kv_b.qtype, out, v, nope=nope, rank=rank, nthreads=self.nthreads
         )
+
+    def _attention_dsa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """DeepSeek Sparse Attention of layer i (MLA + the lightning indexer, spec.IndexerSpec)
+        on its normed input h f32 [n, d_model]; returns f32 [n, n_heads, v_head_dim].
+
+        The MLA part is _attention_mla's (latent cache, kv_b_proj absorbed). A full layer's
+        indexer caches its keys (kv.index_k) and selects for each token the index_topk
+        best-scoring positions at or before it (transformers DeepseekV32Indexer: every
+        position when there are no more than index_topk), stored in kv.index_sel; a shared
+        layer reuses kv.index_sel. Tokens whose selection is their whole causal past attend
+        as in dense MLA; the others attend over the gathered selected cache rows only.
+        """
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        m, x, n, H = a.mla, a.indexer, h.shape[0], a.n_heads
+        r, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, a.rot_dim
+        qa = w["q_a"](h, nthreads=self.nthreads)
+        ops.rmsnorm(qa, qa, w["q_a_norm"], m.norm_eps)  # q_resid, also the indexer's input
+        q = w["q_b"](qa, nthreads=self.nthreads).reshape(n, H, nope + rope)
+        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
+        latent = np.ascontiguousarray(ckv[:, :r])
+        ops.rmsnorm(latent, latent, w["kv_a_norm"], m.norm_eps)
+        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
+        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        for t in (q_rope, k_rope):
+            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
+        cache[pos0 : pos0 + n, 0, :r] = latent
+        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        if not x.shared:
+            kv.index_sel = self._dsa_select(i, h, qa, kv, pos0)
+        elif kv.index_sel is None or len(kv.index_sel) != n:
+            raise ValueError(f"layer {i}: a shared DSA layer needs a full indexer layer before it")
+        sel = kv.index_sel
+        # per head with ops.matmul: numpy's stacked matmul on these strided views is ~25x slower
+        q_abs = np.empty((n, H, r + rope), dtype=np.float32)
+        q_nope = np.ascontiguousarray(q[:, :, :nope].transpose(1, 0, 2))  # [H, n, nope]
+        tmp = np.empty((n, r), dtype=np.float32)
+        for head in range(H):
+            ops.matmul(w["w_uk_t"][head], _F32, q_nope[head], tmp, nthreads=self.nthreads)
+            q_abs[:, head, :r] = tmp
+        q_abs[:, :, r:] = q_rope
+        out = np.empty((n, H, r + rope), dtype=np.float32)
+        # tokens 0 .. n_dense-1 select their whole past (pos0 + s + 1 <= index_topk)
+        n_dense = min(n, max(0, x.index_topk - pos0))
+        if n_dense:
+            ops.attention(
+                out[:n_dense], q_abs[:n_dense], cache, cache, n_kv=pos0 + n_dense,
+                q_pos0=pos0, scale=a.scale, nthreads=self.nthreads,
+            )  # fmt: skip
+        for s in range(n_dense, n):
+            rows = np.ascontiguousarray(cache[np.sort(sel[s][sel[s] >= 0])])
+            k = len(rows)
+            ops.attention(
+                out[s : s + 1], q_abs[s : s + 1], rows, rows, n_kv=k, q_pos0=k - 1,
+                scale=a.scale, nthreads=self.nthreads,
+            )  # fmt: skip
+        o_lat = np.ascontiguousarray(out[:, :, :r].transpose(1, 0, 2))  # [H, n, rank]
+        v, tmp = (
+            np.empty((n, H, a.v_head_dim), dtype=np.float32),
+            np.empty((n, a.v_head_dim), dtype=np.float32),
+        )
+        for head in range(H):
+            ops.matmul(w["w_uv"][head], _F32, o_lat[head], tmp, nthreads=self.nthreads)
+            v[:, head] = tmp
+        return v
+
+    def _dsa_select(
+        self, i: int, h: np.ndarray, q_resid: np.ndarray, kv: KVCache, pos0: int
+    ) -> np.ndarray:
+        """Layer i's indexer on normed input h f32 [n, d_model] and q_resid f32
+        [n, q_lora_rank]: caches the index keys of positions pos0.. and returns each token's
+        selection, int32 [n, min(index_topk, pos0 + n)], -1 padded (a token with at most
+        index_topk positions before it selects them all). Scores as DeepseekV32Indexer:
+        sum_h w_h relu(q_h . k_t / sqrt(head_dim)), w = weights_proj(h) / sqrt(n_heads)."""
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        x, n = a.indexer, h.shape[0]
+        hd, nh, T = x.index_head_dim, x.index_n_heads, pos0 + n
+        iq = w["idx_wq_b"](q_resid, nthreads=self.nthreads).reshape(n, nh, hd)
+        ik = w["idx_wk"](h, nthreads=self.nthreads)
+        mean = ik.mean(axis=-1, keepdims=True, dtype=np.float32)
+        var = np.square(ik - mean).mean(axis=-1, keepdims=True, dtype=np.float32)
+        ik = (ik - mean) / np.sqrt(var + np.float32(x.norm_eps))
+        ik = (ik * w["idx_k_norm"] + w["idx_k_norm_bias"]).astype(np.float32)[:, None, :]
+        pos = np.arange(pos0, T, dtype=np.int32)
+        for t in (iq, ik):
+            ops.rope(t, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=x.rope_mode)
+        keys = kv.index_k[i]
+        keys[pos0:T] = ik[:, 0]
+        weights = w["idx_weights_proj"](h, nthreads=self.nthreads) * np.float32(nh**-0.5)
+        kk = min(x.index_topk, T)
+        sel = np.full((n, kk), -1, dtype=np.int32)
+        n_dense = min(n, max(0, x.index_topk - pos0))
+        for s in range(n_dense):
+            sel[s, : pos0 + s + 1] = np.arange(pos0 + s + 1, dtype=np.int32)
+        if n_dense < n:
+            scores = np.empty((n - n_dense, T), dtype=np.float32)
+            ops.index_scores(
+                scores, np.ascontiguousarray(iq[n_dense:]), np.ascontiguousarray(weights[n_dense:]),
+                keys, n_kv=T, q_pos0=pos0 + n_dense, scale=hd**-0.5, nthreads=self.nthreads,
+            )  # fmt: skip
+            for s in range(n_dense, n):
+                c = pos0 + s + 1
+                row = scores[s - n_dense, :c]
+                top = np.argpartition(-row, kk - 1)[:kk]
+                sel[s] = top.astype(np.int32)
+        return sel
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
         """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""

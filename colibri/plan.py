@@ -71,6 +71,8 @@ def kv_nbytes(store: Store, n_ctx: int, kv_dtype: str) -> int:
             total += n_ctx * (a.mla.kv_lora_rank + a.rot_dim) * item
         else:
             total += n_ctx * a.n_kv_heads * (a.head_dim + a.v_head_dim) * item
+        if a.indexer is not None and not a.indexer.shared:  # DSA indexer keys
+            total += n_ctx * a.indexer.index_head_dim * item
     return total
 
 

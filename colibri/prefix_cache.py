@@ -33,6 +33,7 @@ class _Block:
     k: list[np.ndarray]  # per layer [block_size, n_kv_heads, head_dim] (MLA: the latent)
     v: list[np.ndarray | None]  # None where v is k (MLA)
     nbytes: int
+    index_k: list[np.ndarray | None] | None = None  # DSA indexer keys (KVCache.index_k)
 
 
 class PrefixCache:
@@ -81,6 +82,9 @@ class PrefixCache:
                 kv.k[layer][s] = k
                 if v is not None:
                     kv.v[layer][s] = v
+            for layer, ik in enumerate(block.index_k or ()):
+                if ik is not None:
+                    kv.index_k[layer][s] = ik
         kv.length = len(matched) * bs
         self.hit_tokens += kv.length
         return kv.length
@@ -98,13 +102,15 @@ class PrefixCache:
             s = slice(b * bs, (b + 1) * bs)
             ks = [k[s].copy() for k in kv.k]
             vs = [None if v is k else v[s].copy() for k, v in zip(kv.k, kv.v, strict=True)]
+            iks = [None if a is None else a[s].copy() for a in kv.index_k]
             nbytes = sum(a.nbytes for a in ks) + sum(a.nbytes for a in vs if a is not None)
+            nbytes += sum(a.nbytes for a in iks if a is not None)
             if nbytes > self.budget_nbytes:
                 return
             while self.nbytes + nbytes > self.budget_nbytes and self._blocks:
                 _, old = self._blocks.popitem(last=False)
                 self.nbytes -= old.nbytes
-            self._blocks[key] = _Block(ks, vs, nbytes)
+            self._blocks[key] = _Block(ks, vs, nbytes, iks)
             self.nbytes += nbytes
             self.stored_blocks += 1
 

@@ -159,7 +159,8 @@ class Session:
 
 def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
     """(name, array) of the KV cache, each distinct array once (MLA layers share k and v),
-    then the Gated DeltaNet layers' state (`.conv`, `.recurrent`: stored whole, see _part)."""
+    then the Gated DeltaNet layers' state (`.conv`, `.recurrent`: stored whole, see _part)
+    and the DSA indexer key caches (`.index_k`)."""
     out, seen = [], set()
     for i, (k, v) in enumerate(zip(seq.kv.k, seq.kv.v, strict=True)):
         for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
@@ -168,6 +169,9 @@ def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
                 out.append((name, a))
     for i, (c, r) in enumerate(zip(seq.kv.conv, seq.kv.recurrent, strict=False)):
         out += [(f"{i}.{name}", a) for name, a in (("conv", c), ("recurrent", r)) if a is not None]
+    for i, a in enumerate(seq.kv.index_k):  # DSA indexer keys
+        if a is not None:
+            out.append((f"{i}.index_k", a))
     return out
 
 

@@ -139,6 +139,13 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
                   int64_t n_kv_heads, int64_t dk, int64_t dv, float scale, int64_t window,
                   const float *sinks, int nthreads);
 
+/* ---- DSA lightning indexer (indexer.c) -----------------------------------------------------
+ * out[n_q, n_kv]: out[i, t] = sum_h w[i, h] * max(0, scale * q[i, h, :] . k[t, :]) for
+ * t <= q_pos0 + i, -inf for later t (DeepSeek-V3.2 / GLM-5 top-k selection scores).
+ * q: f32 [n_q, n_heads, d]; w: f32 [n_q, n_heads]; k: [n_ctx >= n_kv, d], f32 or f16 (k_f16). */
+int clb_index_scores(float *out, const float *q, const float *w, const void *k, int k_f16,
+                     int64_t n_q, int64_t n_kv, int64_t q_pos0, int64_t n_heads, int64_t d,
+                     float scale, int nthreads);
 /* ---- gated delta rule (deltanet.c) ---------------------------------------------------------
  * The recurrent form of Gated DeltaNet's linear attention (Yang et al., arXiv:2412.06464;
  * transformers' torch_recurrent_gated_delta_rule), token by token, per value head h:

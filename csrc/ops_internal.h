@@ -59,6 +59,20 @@ OPS_DECLARE(ref)
 OPS_DECLARE(avx2)
 OPS_DECLARE(avx512)
 
+/* One DSA indexer call's arguments (see clb_index_scores in colibri.h); a tile scores keys
+ * [t0, t1) for query row i. */
+struct ops_index {
+    float *out;         /* [n_q, n_kv] */
+    const float *q, *w; /* [n_q, n_heads, d], [n_q, n_heads] */
+    const void *k;      /* [n_ctx, d], f32 or f16 */
+    int k_f16;
+    int64_t n_kv, q_pos0, n_heads, d;
+    float scale;
+};
+#define OPS_INDEX_KEYS 64
+void ops_index_tile_ref(const struct ops_index *a, int64_t i, int64_t t0, int64_t t1);
+void ops_index_tile_avx2(const struct ops_index *a, int64_t i, int64_t t0, int64_t t1);
+void ops_index_tile_avx512(const struct ops_index *a, int64_t i, int64_t t0, int64_t t1);
 /* Gated delta rule on one value head over n tokens (deltanet.c, arch/deltanet_simd.inc): see
  * clb_gated_delta_rule; q, k point at the head's key head in token 0 (stride kstride floats
  * between tokens), v, out at the value head (stride vstride), g, beta at the head (stride

@@ -32,6 +32,13 @@ QUANT_BOUNDS = {
     ("q4_0", "f32"): (5e-2, 0.80),
     ("q4_0", "q8_0"): (5e-2, 0.80),
 }
+# DSA (spec.IndexerSpec): a quantized indexer moves tokens across its top-k cut, and on a tiny
+# random model's flat index scores that flips often; each flip swaps a whole token in or out of
+# attention. Measured on deepseek_v32 (index_topk 12 of 64): q8_0 experts with f32 dense
+# weights KL 1e-4, q8_0 dense weights 3e-2, the same with index_topk >= the run 3e-3. So DSA
+# cases (index_topk 12..24, below the 32-token prompt) get twice the KL bound and 0.1 less
+# top-1 agreement; tests/test_dsa.py holds the indexer exact (f32 dense) under quantized experts.
+DSA_KL_FACTOR, DSA_TOP1_SLACK = 2.0, 0.1
 DECISIVE = {("q8_0", "f32"): 0.05, ("q8_0", "q8_0"): 0.1, ("q4_0", "f32"): 0.1,
             ("q4_0", "q8_0"): 0.1}  # fmt: skip
 
@@ -89,6 +96,8 @@ async def test_quantized_close_to_float(hf_pair, tmp_path, quant, activations):
     decisive = top2[:, 1] - top2[:, 0] >= DECISIVE[quant, activations]
     top1 = float(agree[decisive].mean())
     max_kl, min_top1 = QUANT_BOUNDS[quant, activations]
+    if any(layer.attention.indexer for layer in model_spec(open_store(q_store).config).layers):
+        max_kl, min_top1 = max_kl * DSA_KL_FACTOR, min_top1 - DSA_TOP1_SLACK
     print(
         f"{case} {quant}/{activations}: mean KL {kl:.2e}, top-1 agreement "
         f"{agree.mean():.3f} (all), {top1:.3f} ({decisive.sum()} decisive positions)"

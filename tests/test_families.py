@@ -24,7 +24,7 @@ torch, transformers = hf_models.torch, hf_models.transformers
 # transformers zeroes a few defaults when the feature is off; their default shows with it on
 PROBES = {"sliding_window": {"use_sliding_window": True}}
 # keys transformers computes from others when left out (colibri computes them the same way)
-COMPUTED = {"layer_types", "mlp_layer_types"}
+COMPUTED = {"layer_types", "mlp_layer_types", "indexer_types"}
 # spellings of the rope settings; Family.resolve_config folds them into rope_parameters
 ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
 

@@ -10,6 +10,7 @@ at disk speed; each record still gets its own xxh3. Real tokenizers come from
     python tools/synth_store.py qwen3-30b-a3b /tmp/stores/qwen3-30b-a3b-q4_0
     python tools/synth_store.py mixtral-8x7b OUT --layers 4 --quant q8_0
     python tools/synth_store.py deepseek-v3 OUT --scale 0.125      # 32 of 256 experts
+    python tools/synth_store.py glm-5 OUT --layers 5 --scale 0.125 --dense-quant q4_0
 """
 
 from __future__ import annotations
@@ -101,6 +102,37 @@ MODELS: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 4096},
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     },
+    # zai-org/GLM-5's shape (GlmMoeDsaConfig's defaults): MLA + the DSA indexer, 744B
+    "glm-5": {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 202752,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32, "attention_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    },
+    # deepseek-ai/DeepSeek-V3.2's shape: DeepSeek-V3 + the DSA indexer (64 heads)
+    "deepseek-v3.2": {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+        "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096},
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    },
     "qwen3-next-80b-a3b": {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
@@ -158,6 +190,16 @@ TOKENIZER_SOURCES = {
     # no GLM tokenizer in shared/data: Qwen3's (151k ids of the 154880) stands in
     "glm-4.7-flash": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
     "deepseek-v3": [
+        ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
+        ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
+    ],
+    # V3.2 keeps V3's vocabulary; GLM-5's tokenizer is not in shared/data: DeepSeek-V3's
+    # (129280 ids < 154880) stands in so text prompts work on the synthetic store
+    "deepseek-v3.2": [
+        ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
+        ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
+    ],
+    "glm-5": [
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
     ],
@@ -327,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="replace an existing OUT")
     args = ap.parse_args(argv)
-    scale = args.scale if args.scale is not None else (0.125 if args.model == "deepseek-v3" else 1)
+    scale = (
+        args.scale
+        if args.scale is not None
+        else (0.125 if args.model in ("deepseek-v3", "deepseek-v3.2", "glm-5") else 1)
+    )
     t0 = time.perf_counter()
     path = synth_store(
         args.model, args.out, quant=args.quant, dense_quant=args.dense_quant,

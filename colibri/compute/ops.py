@@ -775,6 +775,54 @@ def attention(
     return out
 
 
+def index_scores(
+    out: np.ndarray,
+    q: np.ndarray,
+    w: np.ndarray,
+    k: np.ndarray,
+    n_kv: int,
+    q_pos0: int,
+    scale: float,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """DeepSeek Sparse Attention indexer scores (DeepSeek-V3.2 / GLM-5, transformers
+    DeepseekV32Indexer): out[i, t] = sum_h w[i, h] * relu(scale * q[i, h] . k[t]) for the keys
+    t <= q_pos0 + i, -inf for later t.
+
+    q: float32 [n_q, n_heads, d]; w: float32 [n_q, n_heads] (the head weights, already scaled);
+    k: float32 or float16 [n_ctx, d], rows 0..n_kv-1 valid; out: float32 [n_q, n_kv]. Runs on
+    nthreads threads (<= 0: default_threads()) with the GIL released. Returns out. Raises
+    KernelError on inconsistent shapes, dtypes or positions.
+    """
+    _arr(q, "index_scores: q", ndim=3)
+    _arr(w, "index_scores: w", ndim=2)
+    _arr(k, "index_scores: k", _F32_F16, ndim=2)
+    _arr(out, "index_scores: out", ndim=2, writable=True)
+    n_q, n_heads, d = q.shape
+    if w.shape != (n_q, n_heads):
+        raise KernelError(f"index_scores: w has shape {w.shape}, expected {(n_q, n_heads)}")
+    if k.shape[1] != d:
+        raise KernelError(f"index_scores: key size {k.shape[1]} != query head size {d}")
+    if not 0 <= n_kv <= k.shape[0]:
+        raise KernelError(f"index_scores: n_kv={n_kv} must be in [0, key rows {k.shape[0]}]")
+    if q_pos0 < 0 or q_pos0 + n_q > n_kv:
+        raise KernelError(
+            f"index_scores: queries at positions {q_pos0}..{q_pos0 + n_q - 1} need n_kv >= "
+            f"{q_pos0 + n_q}, got n_kv={n_kv}"
+        )
+    if out.shape != (n_q, n_kv):
+        raise KernelError(f"index_scores: out has shape {out.shape}, expected {(n_q, n_kv)}")
+    if not math.isfinite(scale):
+        raise KernelError(f"index_scores: scale={scale} must be finite")
+    rc = lib.clb_index_scores(
+        _ptr(out, "float *"), _ptr(q, "float *"), _ptr(w, "float *"), _ptr(k),
+        int(k.dtype == np.float16), n_q, n_kv, q_pos0, n_heads, d, float(scale), nthreads,
+    )  # fmt: skip
+    if rc:
+        _check(rc, f"index_scores(q={q.shape}, k={k.shape}, n_kv={n_kv})")
+    return out
+
+
 def gated_delta_rule(
     out: np.ndarray,
     state: np.ndarray,

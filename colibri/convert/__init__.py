@@ -33,7 +33,8 @@ KEEP = "keep"
 # dense tensors that always stay f32 whatever --dense-quant says (besides every 1-D tensor)
 _F32_NAMES = re.compile(
     r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
-    r"|\.shared_expert_gate\.weight|norm\.weight|e_score_correction_bias|\.bias|\.sinks)$"
+    r"|\.shared_expert_gate\.weight|norm\.weight|e_score_correction_bias|\.bias|\.sinks"
+    r"|\.indexer\.weights_proj\.weight)$"
 )
 
 
@@ -42,7 +43,8 @@ def dense_qtype(
 ) -> str:
     """Storage type of dense tensor `name` (HF spelling) of logical `shape`.
 
-    Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks, every
+    Norms, routers, shared_expert_gate, e_score_correction_bias, biases, sinks, the DSA
+    indexer's weights_proj, every
     tensor that is not 2-D and every name in `f32` (models.spec.f32_tensors: the spec's
     routers, whatever their names) stay f32; a 2-D weight whose columns are not a multiple of
     the block size (32; 256 for the K-quants and iq4_xs) falls back to f32 under a block

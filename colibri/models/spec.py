@@ -36,6 +36,29 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """The DeepSeek Sparse Attention (DSA) "lightning indexer" of an MLA layer (DeepSeek-V3.2,
+    GLM-5; transformers DeepseekV32Indexer / GlmMoeDsaIndexer), config names.
+
+    Index queries wq_b(q_resid) [index_n_heads, index_head_dim] (q_resid = the normed q_a
+    latent) and one index key LayerNorm(wk(x)) [index_head_dim] per token (kept in the
+    per-sequence cache beside the latent, model.KVCache.index_k); both rotated on their first
+    qk_rope_head_dim dims (`rope_mode`: V3.2 half-split "neox", GLM-5 "interleaved"). Token s
+    scores past token t as sum_h w_h * relu(q_h . k_t / sqrt(index_head_dim)) with
+    w = weights_proj(x) / sqrt(index_n_heads); attention then runs over the `index_topk`
+    best-scoring positions t <= s only. shared (GLM-5 `indexer_types` "shared"): the layer has
+    no indexer and reuses the selection of the nearest full layer before it.
+    """
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_mode: Literal["neox", "interleaved"]
+    shared: bool = False
+    norm_eps: float = 1e-6  # k_norm: nn.LayerNorm(index_head_dim, eps=1e-6), with a bias
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     n_heads: int
     n_kv_heads: int
@@ -51,6 +74,7 @@ class AttentionSpec:
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     sinks: bool = False  # gpt-oss attention sinks (`self_attn.sinks`)
     mla: MLASpec | None = None  # multi-head latent attention (head_dim = nope + rope dims)
+    indexer: IndexerSpec | None = None  # DSA sparse attention over the indexer's top-k (MLA)
     # Qwen3-Next / Qwen3.5: q_proj gives each head's query then its output gate
     # ([n_heads, 2 * head_dim]); the attention output is multiplied by sigmoid(gate)
     output_gate: bool = False
@@ -110,6 +134,7 @@ class LayerSpec:
     moe: bool  # routed experts (else a dense MLP)
     # role -> tensor name (without ".weight"); a role absent here is absent in the model.
     # roles: input_norm q k v o q_norm k_norm post_norm router correction_bias
+    #        (DSA indexer: idx_wq_b idx_wk idx_k_norm idx_weights_proj)
     #        (MLA: q or q_a q_a_norm q_b, kv_a kv_a_norm kv_b, o)
     #        shared_gate_proj shared_up_proj shared_down_proj shared_expert_gate
     #        mlp_gate_proj mlp_up_proj mlp_down_proj sinks
@@ -276,10 +301,11 @@ def base_spec(
 
 def f32_tensors(spec: ModelSpec) -> frozenset[str]:
     """The 2-D dense tensors stored f32 whatever the dense quant type: routers (and their
-    biases) and qwen2_moe's shared_expert_gate; 1-D tensors are always f32."""
+    biases), qwen2_moe's shared_expert_gate and the DSA indexer's weights_proj (transformers
+    keeps it f32, `_keep_in_fp32_modules`); 1-D tensors are always f32."""
     out = set()
     for layer in spec.layers:
-        for role in ("router", "shared_expert_gate"):
+        for role in ("router", "shared_expert_gate", "idx_weights_proj"):
             if role in layer.names:
                 out |= {f"{layer.names[role]}.weight", f"{layer.names[role]}.bias"}
     return frozenset(out)
@@ -317,6 +343,11 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {"q_norm": (q_out,), "k_norm": (a.n_kv_heads * a.head_dim,)}
         if a.sinks:
             shapes["sinks"] = (a.n_heads,)
+        if a.indexer is not None and not a.indexer.shared:
+            x, q_rank = a.indexer, a.mla.q_lora_rank if a.mla is not None else None
+            shapes |= {"idx_wq_b": (x.index_n_heads * x.index_head_dim, q_rank or d)}
+            shapes |= {"idx_wk": (x.index_head_dim, d), "idx_k_norm": (x.index_head_dim,)}
+            shapes["idx_weights_proj"] = (x.index_n_heads, d)
         if layer.linear_attn is not None:  # Gated DeltaNet replaces the attention tensors
             shapes = {"input_norm": (d,), "post_norm": (d,)} | linear_attn_shapes(layer, d)
         if layer.moe:
