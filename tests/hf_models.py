@@ -102,12 +102,14 @@ def greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def router_margins(mod: Any, logits: Any) -> Any:
+def router_margins(mod: Any, logits: Any, bias: Any = None) -> Any:
     """Per token, the smallest margin at the cuts the router `mod` makes (groups kept, experts
     chosen), recomputed from its logits as the transformers router does (DeepSeek-V2/V3,
-    GLM-4.5, gpt-oss). Returns a float tensor [n_tokens]."""
+    GLM-4.5, gpt-oss; MiniMax-M2, whose correction bias is a forward argument `bias`).
+    Returns a float tensor [n_tokens]."""
     k, logits = mod.top_k, logits.float()
-    bias = getattr(mod, "e_score_correction_bias", None)
+    if bias is None:
+        bias = getattr(mod, "e_score_correction_bias", None)
     if "GptOss" in type(mod).__name__:
         choice = logits  # top-k on the biased logits
     elif bias is not None:
@@ -116,7 +118,7 @@ def router_margins(mod: Any, logits: Any) -> Any:
         choice = logits.softmax(dim=-1)
     margin = torch.full((len(choice),), float("inf"))
     grouped = bias is not None or getattr(mod, "topk_method", "") == "group_limited_greedy"
-    if grouped and mod.topk_group < mod.num_group:
+    if grouped and getattr(mod, "topk_group", 1) < getattr(mod, "num_group", 1):
         g = choice.view(len(choice), mod.num_group, -1)
         gs = g.topk(2, dim=-1)[0].sum(-1) if bias is not None else g.max(-1).values
         top = gs.topk(mod.topk_group + 1, dim=-1).values
@@ -136,7 +138,9 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
     hooks = [
         m.register_forward_hook(
-            lambda mod, _a, out: gaps.append(float(router_margins(mod, out[0]).min()))
+            lambda mod, args, out: gaps.append(
+                float(router_margins(mod, out[0], args[1] if len(args) > 1 else None).min())
+            )
         )
         for m in routers
     ]
