@@ -38,6 +38,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     for model_type, fam in registry.FAMILIES.items()
     for case, cfg in fam.test_configs.items()
 }
+# the families with a base case named after them: all but the multimodal wrappers (llama4), whose
+# tests build the wrapper checkpoint around their text family's case (test_families_14b.py)
+BASE_CASES: tuple[str, ...] = tuple(t for t in registry.SUPPORTED if t in CASES)
 
 
 def config(case: str, **overrides: Any) -> Any:
@@ -110,8 +113,8 @@ def router_margins(mod: Any, logits: Any, bias: Any = None) -> Any:
     k, logits = mod.top_k, logits.float()
     if bias is None:
         bias = getattr(mod, "e_score_correction_bias", None)
-    if "GptOss" in type(mod).__name__:
-        choice = logits  # top-k on the biased logits
+    if "GptOss" in type(mod).__name__ or "Llama4" in type(mod).__name__:
+        choice = logits  # top-k on the (biased) logits
     elif bias is not None:
         choice = logits.sigmoid() + bias
     else:
@@ -135,15 +138,18 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     at each cut the router makes (score used for choosing, correction bias and group limits
     included), and between the two largest output logits, on the sequence `ids`."""
     gaps: list[float] = []
-    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
-    hooks = [
-        m.register_forward_hook(
-            lambda mod, args, out: gaps.append(
-                float(router_margins(mod, out[0], args[1] if len(args) > 1 else None).min())
-            )
-        )
-        for m in routers
+    routers = [
+        m
+        for m in model.modules()
+        if type(m).__name__.lower().endswith("topkrouter") or type(m).__name__ == "Llama4Router"
     ]
+
+    def hook(mod: Any, args: Any, out: Any) -> None:
+        logits = out[1] if type(mod).__name__ == "Llama4Router" else out[0]  # (scores, logits)
+        bias = args[1] if len(args) > 1 else None  # MiniMax-M2: e_score_correction_bias
+        gaps.append(float(router_margins(mod, logits, bias).min()))
+
+    hooks = [m.register_forward_hook(hook) for m in routers]
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()

@@ -22,7 +22,7 @@ torch, transformers = hf_models.torch, hf_models.transformers
 # transformers zeroes a few defaults when the feature is off; their default shows with it on
 PROBES = {"sliding_window": {"use_sliding_window": True}}
 # keys transformers computes from others when left out (colibri computes them the same way)
-COMPUTED = {"layer_types"}
+COMPUTED = {"layer_types", "no_rope_layers", "moe_layers"}  # + Llama4TextConfig
 # spellings of the rope settings; Family.resolve_config folds them into rope_parameters
 ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
 
@@ -83,6 +83,7 @@ def test_every_key_read_has_the_transformers_default(model_type):
 
 def _rotary(model_type: str, config):
     """(inv_freq, attention_scaling) of the family's transformers rotary embedding."""
+    model_type = {"llama4_text": "llama4"}.get(model_type, model_type)  # one module for both
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = next(
         getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding") and n[0] != "_"

@@ -112,3 +112,133 @@ async def test_same_tokens_whatever_the_placement(case, tmp_path):
     ):
         tokens, _ = await _run(store, ids, 12, io=io, budget=budget, prefetch=prefetch, threads=1)
         assert tokens == reference, (case, io, budget, prefetch)
+
+
+PLACEMENT_CASES.append("llama4_text_interleaved_top2")
+
+VISION = dict(  # a tiny Llama4VisionConfig
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    image_size=28,
+    patch_size=14,
+    vision_output_dim=32,
+    projector_input_dim=32,
+    projector_output_dim=32,
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"num_hidden_layers": 8, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 3},
+        {"num_hidden_layers": 4, "attention_chunk_size": None},
+        {"num_hidden_layers": 4, "no_rope_layers": [0, 1, 1, 0], "moe_layers": [0, 2]},
+        {"num_hidden_layers": 4, "attn_temperature_tuning": False, "use_qk_norm": False},
+    ],
+    ids=str,
+)
+def test_llama4_layer_settings_are_transformers(overrides):
+    """Which layers use RoPE, qk norm, chunked attention, temperature tuning and experts is
+    what Llama4TextConfig and Llama4TextAttention / DecoderLayer decide."""
+    from transformers.models.llama4 import modeling_llama4 as ml
+
+    hf = transformers.Llama4TextConfig(**overrides)
+    spec = model_spec({"model_type": "llama4_text", **overrides})
+    for i, layer in enumerate(spec.layers):
+        a = layer.attention
+        attn = ml.Llama4TextAttention(hf, i)
+        assert (a.rot_dim > 0) == bool(attn.use_rope), i
+        assert (a.qk_norm == "l2") == hasattr(attn, "qk_norm"), i
+        chunked = hf.layer_types[i] == "chunked_attention"
+        assert a.attention_chunk_size == (hf.attention_chunk_size if chunked else 0), i
+        tuned = attn.attn_temperature_tuning and not attn.use_rope
+        assert (a.floor_scale, a.attn_scale) == ((8192.0, 0.1) if tuned else (0.0, 0.0)), i
+        assert layer.moe == (i in hf.moe_layers), i
+        assert a.rope_mode == "interleaved" and a.scale == attn.scaling
+
+
+def test_llama4_route_matches_transformers_router():
+    """moe.route on Llama4Router's logits: the top-k experts and sigmoid of their logits."""
+    from transformers.models.llama4 import modeling_llama4 as ml
+
+    for k in (1, 2, 4):
+        config = transformers.Llama4TextConfig(
+            hidden_size=32, num_local_experts=16, num_experts_per_tok=k
+        )
+        router = ml.Llama4Router(config)
+        gen = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=gen))
+            scores, logits = router(torch.randn(512, 32, generator=gen))
+        ids, w = moe.route(model_spec(config.to_dict()).moe.router, logits.numpy())
+        margins = hf_models.router_margins(router, logits).numpy()
+        full = np.zeros((512, 16), np.float32)
+        np.put_along_axis(full, ids.astype(np.int64), w, axis=1)
+        keep = margins >= 1e-5
+        assert keep.sum() >= 400
+        np.testing.assert_allclose(full[keep], scores.numpy()[keep], rtol=1e-6, atol=1e-7)
+
+
+async def test_llama4_multimodal_checkpoint_runs_its_text_model(tmp_path, capsys):
+    """A Llama4ForConditionalGeneration checkpoint (model_type llama4, text_config, tensors
+    under language_model.*, a vision tower): converts with the vision part dropped and gives
+    the tokens and logits of the text model alone."""
+    cfg = hf_models.config("llama4_text_interleaved_top2").to_dict()
+    torch.manual_seed(0)
+    mm = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=cfg, vision_config=VISION)
+    ).eval()
+    text = hf_models.build("llama4_text_interleaved_top2", seed=4)
+    mm.language_model.load_state_dict(text.state_dict())
+    src = hf_models.save(mm, tmp_path / "mm")
+    store = open_store(convert(src, tmp_path / "store", quant="f32", dense_quant="f32"))
+    err = capsys.readouterr().err
+    assert "kept the language model only" in err and "vision_model" in err
+    assert store.model_type == "llama4"
+    ids = list(range(5, 45))  # 40 tokens: five chunks of 8
+    tokens, logits = await _run(store.path, ids, 8)
+    assert tokens == hf_models.greedy(text, ids, 8)
+    ref = hf_models.reference_logits(text, ids + tokens)[len(ids) - 1 : -1]
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("flag", ["apply_router_weight_on_input", "attention_chunk_size"])
+async def test_llama4_quirks_matter(flag, tmp_path, monkeypatch):
+    """The tiny llama4 case would catch each quirk being dropped: with the router weight
+    applied to the output instead of the input, or with full instead of chunked attention,
+    the logits leave transformers' by far more than the 1e-4 the exactness test allows."""
+    import dataclasses
+
+    from colibri.models import llama4_text
+
+    model = hf_models.build("llama4_text", seed=3)
+    src = hf_models.save(model, tmp_path / "hf")
+    store = convert(src, tmp_path / "store", quant="f32", dense_quant="f32")
+    ids = list(range(7, 39))
+    ref = hf_models.reference_logits(model, ids)[-1]
+    _, good = await _run(store, ids, 1)
+    real = llama4_text.model_spec
+
+    def broken(config):
+        spec = real(config)
+        if flag == "apply_router_weight_on_input":
+            return dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, **{flag: False}))
+        layers = [
+            dataclasses.replace(
+                layer, attention=dataclasses.replace(layer.attention, attention_chunk_size=0)
+            )
+            for layer in spec.layers
+        ]
+        return dataclasses.replace(spec, layers=tuple(layers))
+
+    from colibri import registry
+
+    fam = dataclasses.replace(family("llama4_text"), model_spec=broken)
+    monkeypatch.setitem(registry.FAMILIES, "llama4_text", fam)
+    _, bad = await _run(store, ids, 1)
+    scale = np.abs(ref).max()
+    assert np.abs(good[0] - ref).max() <= 1e-4 * scale
+    assert np.abs(bad[0] - ref).max() > 1e-2 * scale
