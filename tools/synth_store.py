@@ -88,6 +88,34 @@ MODELS: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 4096},
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     },
+    "minimax-m2": {  # MiniMaxAI/MiniMax-M2
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+        "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536,
+        "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+        "head_dim": 128, "rotary_dim": 64, "rope_theta": 5000000, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True,
+        "use_qk_norm": True, "qk_norm_type": "per_layer", "hidden_act": "silu",
+        "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "bos_token_id": 200019, "eos_token_id": 200020,
+    },
+    "llama-4-scout": {  # meta-llama/Llama-4-Scout-17B-16E-Instruct (vision tower not stored)
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120,
+            "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "use_qk_norm": True, "attention_chunk_size": 8192,
+            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+            "rope_theta": 500000.0, "rope_scaling": {
+                "rope_type": "llama3", "factor": 16.0, "high_freq_factor": 1.0,
+                "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+            "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": False, "bos_token_id": 200000,
+            "eos_token_id": [200001, 200007, 200008],
+        },
+        "vision_config": {"model_type": "llama4_vision_model"},
+    },
 }  # fmt: skip
 # model -> [(file in TOKENIZERS, name in the store)]; .xz is decompressed, .model converted
 TOKENIZER_SOURCES = {
@@ -101,17 +129,22 @@ TOKENIZER_SOURCES = {
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
     ],
+    # stand-ins: shared/data has neither model's own tokenizer; Qwen3's ids (< 151669) are
+    # inside both vocabularies, so text goes in and out (the weights are random anyway)
+    "minimax-m2": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
+    "llama-4-scout": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
 }
 
 
 def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> dict[str, Any]:
     """The HF config of `model`, with `layers` layers and the routed experts scaled by
     `scale` (at least top-k experts, a multiple of n_group for DeepSeek)."""
-    cfg = json.loads(json.dumps(MODELS[model]))
+    out = json.loads(json.dumps(MODELS[model]))
+    cfg = out.get("text_config", out)  # multimodal (llama4): the language model's part
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     if scale != 1.0:
-        fam = registry.family(cfg["model_type"])
+        fam = registry.family(out["model_type"])
         keys = [
             fam.num_experts_key,
             *(a for a, k in fam.aliases.items() if k == fam.num_experts_key),
@@ -120,7 +153,7 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
         mult = cfg.get("n_group", 1)
         n = max(cfg["num_experts_per_tok"], round(cfg[key] * scale / mult) * mult)
         cfg[key] = max(n, mult)
-    return cfg
+    return out
 
 
 def expert_shape(cfg: dict[str, Any]) -> tuple[int, int, list[int]]:
@@ -202,7 +235,7 @@ def synth_store(
         raise SystemExit(f"quant types must be one of {BLOCK_QTYPES}")
     cfg = model_config(model, layers, scale)
     E, d_ff, moe = expert_shape(cfg)
-    layout = ExpertLayout.build(quant, cfg["hidden_size"], d_ff)
+    layout = ExpertLayout.build(quant, registry.model_spec(cfg).d_model, d_ff)
     f32 = f32_tensors(registry.model_spec(cfg))
     plan = [(n, dense_qtype(n, s, dense_quant, f32), s) for n, s in dense_tensors(cfg)]
     dense_nbytes = sum(tensor_nbytes(q, s) for _, q, s in plan)
