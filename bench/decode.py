@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 from colibri.engine import open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
 from colibri.machine import bounds, rate, storage_seconds  # noqa: E402, F401 (bounds live there)
+from colibri.registry import resolve_config  # noqa: E402
 from colibri.run import parse_size, size_arg  # noqa: E402
 
 STORES = Path("/tmp/stores")
@@ -279,7 +280,7 @@ def main() -> int:
 
     small = ensure_store(args.small, "qwen3-30b-a3b", layers=4)
     s = open_store(small)
-    k = s.config["num_experts_per_tok"]
+    k = resolve_config(s.config)["num_experts_per_tok"]  # text_config of multimodal stores
     from bench.kernels import copy_bandwidth
 
     mem = copy_bandwidth(1 << 30, 1, 3)

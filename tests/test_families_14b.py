@@ -242,3 +242,16 @@ async def test_llama4_quirks_matter(flag, tmp_path, monkeypatch):
     scale = np.abs(ref).max()
     assert np.abs(good[0] - ref).max() <= 1e-4 * scale
     assert np.abs(bad[0] - ref).max() > 1e-2 * scale
+
+
+def test_llama4_scout_rope_is_transformers():
+    """Llama-4-Scout's rope settings (llama3 scaling with low_freq_factor == high_freq_factor,
+    where the smoothing formula divides by zero and is masked out): transformers' frequencies."""
+    from transformers.models.llama4 import modeling_llama4 as ml
+
+    rope = dict(rope_type="llama3", rope_theta=5e5, factor=16.0, low_freq_factor=1.0)
+    rope |= dict(high_freq_factor=1.0, original_max_position_embeddings=8192)
+    with np.errstate(all="raise"):
+        a = model_spec({"model_type": "llama4_text", "rope_parameters": rope}).layers[0].attention
+    emb = ml.Llama4TextRotaryEmbedding(transformers.Llama4TextConfig(rope_parameters=rope))
+    np.testing.assert_allclose(a.inv_freq, emb.inv_freq.numpy(), rtol=1e-6)
