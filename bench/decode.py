@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 from colibri.engine import open_engine  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
 from colibri.machine import bounds, rate, storage_seconds  # noqa: E402, F401 (bounds live there)
-from colibri.registry import resolve_config  # noqa: E402
+from colibri.registry import model_spec  # noqa: E402
 from colibri.run import parse_size, size_arg  # noqa: E402
 
 STORES = Path("/tmp/stores")
@@ -169,24 +169,22 @@ class DecodeFigures:
         return d
 
 
-def _snapshot(eng: Any) -> tuple[float, float, Any]:
-    t = eng.pipeline.times
-    return t.wait_io, t.compute, eng.cache.statistics()
+def _snapshot(eng: Any) -> Any:
+    return eng.statistics(components=False)  # EngineStatistics
 
 
-def _phase(eng: Any, s0: tuple[float, float, Any], tokens: int, seconds: float) -> Phase:
-    w1, c1, k1 = _snapshot(eng)
-    w0, c0, k0 = s0
+def _phase(eng: Any, s0: Any, tokens: int, seconds: float) -> Phase:
+    d = _snapshot(eng).delta(s0)
     return Phase(
         tokens=tokens,
         seconds=seconds,
-        wait_io=w1 - w0,
-        compute=c1 - c0,
-        verify=k1.verify_seconds - k0.verify_seconds,
-        bytes_read=k1.bytes_read - k0.bytes_read,
-        reads=k1.reads - k0.reads,
-        hits=k1.hits - k0.hits,
-        misses=k1.misses - k0.misses,
+        wait_io=d.wait_io_seconds,
+        compute=d.compute_seconds,
+        verify=d.verify_seconds,
+        bytes_read=d.bytes_read,
+        reads=d.reads,
+        hits=d.expert_hits,
+        misses=d.expert_misses,
     )
 
 
@@ -280,7 +278,7 @@ def main() -> int:
 
     small = ensure_store(args.small, "qwen3-30b-a3b", layers=4)
     s = open_store(small)
-    k = resolve_config(s.config)["num_experts_per_tok"]  # text_config of multimodal stores
+    k = model_spec(s.config).moe.router.top_k
     from bench.kernels import copy_bandwidth
 
     mem = copy_bandwidth(1 << 30, 1, 3)

@@ -156,9 +156,9 @@ async def _engine_recall(path: Path, prompts: list[str], max_tokens: int, trace:
             before = None
             async for tok in eng.stream(prompt, max_tokens=max_tokens, temperature=0.0):
                 if before is None:
-                    before = eng.statistics()["prefetch"]
+                    before = eng.statistics().prefetch
                 stats = tok.statistics
-            after = eng.statistics()["prefetch"]
+            after = eng.statistics().prefetch
         for k in acc:
             acc[k] += getattr(after, k) - getattr(before, k)
         backoffs += after.backoffs

@@ -14,7 +14,8 @@ warm, next to the storage and compute bounds), replay (the real Mixtral-8x7B rou
 policy x budget x prefetch vs Belady; prefetcher recall on colibri's own runs), llama (llama.cpp
 on the same GGUF weights: in RAM, and both engines under one cgroup memory limit), mirror
 (expert reads spread over copies of the experts file on several drives), quality
-(perplexity, KL and routing agreement of every expert format against the f32 store).
+(perplexity, KL and routing agreement of every expert format against the f32 store), serve
+(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT).
 
 Big files (synthetic stores, GGUFs, the fio file) go to --work and are kept for the next run.
 """
@@ -40,6 +41,7 @@ SECTIONS: dict[str, str] = {
     "llama": "bench.sec_llama",
     "mirror": "bench.sec_mirror",
     "quality": "bench.sec_quality",
+    "serve": "bench.sec_serve",
 }
 
 

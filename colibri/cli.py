@@ -2,19 +2,22 @@
 
 Each subcommand lives in the module that owns the job; that module provides
 `configure_parser(parser)` and `run_cli(args) -> int`. Errors derived from ColibriError (and
-OSError) print as one line and exit 1; `--debug` shows the traceback.
+OSError) print as one line and exit 1; `--debug` shows the traceback. SIGTERM and SIGHUP
+stop convert, export-gguf and replay like Ctrl-C: their temporary output is removed.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("colibri.run", "generate text from a prompt (default: the embedded demo model)"),
     "chat": ("colibri.run", "interactive multi-turn chat using the model's chat template"),
+    "serve": ("colibri.serve.cli", "OpenAI/Anthropic-compatible HTTP server (default: the demo)"),
     "convert": ("colibri.convert", "convert a Hugging Face or GGUF checkpoint into a store"),
     "inspect": ("colibri.inspect", "describe a store and optionally verify its checksums"),
     "export-gguf": ("colibri.export_gguf", "write a store as a GGUF file for llama.cpp"),
@@ -27,6 +30,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("colibri.tune", "measure disk, memory and threads once; save the machine profile"),
     "mirror": ("colibri.io.mirror", "copy a store's experts file to another drive, verified"),
 }
+
+
+# commands that write a temporary output: SIGTERM / SIGHUP unwind them like Ctrl-C does, so
+# the temporary is removed (the default action would kill the process and leave it behind)
+CLEAN_UP_ON_SIGNAL = ("convert", "export-gguf", "replay")
+
+
+class Signalled(BaseException):
+    """SIGTERM or SIGHUP arrived (raised in the main thread, unwinding every `with` and
+    `finally`); `signum` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, _frame: object) -> None:
+    raise Signalled(signum)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.command in CLEAN_UP_ON_SIGNAL:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _raise_signalled)
     try:
         return int(args._run(args) or 0)
+    except Signalled as exc:  # the command's own cleanup (temporary output) has run
+        print(f"\ncolibri: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("\ncolibri: interrupted", file=sys.stderr)
         return 130

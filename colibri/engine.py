@@ -6,12 +6,15 @@
 
 open_engine() loads the dense weights (resident), sets up the reader, slab pool, expert cache
 and prefetcher, and the compute thread. Sequences (one KV cache each) are independent: several
-streams may run at once on one engine; they share the expert cache and the compute thread.
+streams may run at once on one engine, and its scheduler (colibri/scheduler.py) decodes them
+together, one batched forward pass a step, sharing expert reads; each stream's tokens are
+those it would get alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import threading
@@ -19,23 +22,33 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.io.cache import ExpertCache
 from colibri.io.format import Store, open_store
-from colibri.io.prefetch import Prefetcher
-from colibri.io.reader import open_reader
-from colibri.io.slab import SlabPool
+from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
+from colibri.prefix_cache import PrefixCache
 from colibri.registry import model_spec
-from colibri.sampling import Sampler, SamplingParams
-from colibri.tokenizer import StopChecker, Tokenizer
+from colibri.sampling import SamplingParams
+from colibri.scheduler import Generation, GenerationStatistics, Scheduler, Token
+from colibri.tokenizer import Tokenizer
+
+__all__ = [
+    "Engine",
+    "EngineOptions",
+    "EngineStatistics",
+    "GenerationStatistics",
+    "Sequence",
+    "SyncEngine",
+    "Token",
+    "open_engine",
+]
 
 if TYPE_CHECKING:
     from colibri.io.trace import RoutingTraceWriter
@@ -60,8 +73,10 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(cfg, dict):
+        raise ColibriError(f"{path / 'generation_config.json'}: expected a JSON object")
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -102,6 +117,9 @@ class EngineOptions:
     # mirror_weights: one read share per copy, the store's first (default equal)
     mirrors: tuple[str, ...] = ()
     mirror_weights: tuple[float, ...] | None = None
+    max_running: int = 8  # sequences decoded together by stream() (continuous batching)
+    prefix_cache: int = 0  # bytes of prompt-prefix KV kept for reuse (0: off)
+    batch: str = "split"  # how a batch's rows meet the kernels: "split" | "fused"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -128,47 +146,82 @@ class EngineOptions:
             or not all(w > 0 for w in self.mirror_weights)
         ):
             raise bad("mirror_weights", f"needs {1 + len(self.mirrors)} positive read shares")
+        if self.trace is not None and not Path(self.trace).resolve().parent.is_dir():
+            raise bad("trace", f"directory {Path(self.trace).parent} does not exist")
+        if self.max_running < 1:
+            raise bad("max_running", "must be >= 1")
+        if self.batch not in ("split", "fused"):
+            raise bad("batch", "must be split or fused")
+        if self.prefix_cache < 0:
+            raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
 
 
 @dataclass(frozen=True)
-class GenerationStatistics:
-    """One stream's figures. Times in seconds; ttft: from the call to the first token;
-    decode_tok_s: generated tokens after the first / their time. hit_rate, bytes_read:
-    expert cache figures while this stream ran (shared with concurrent streams)."""
+class EngineStatistics:
+    """A snapshot of an engine's figures, read by the CLI, the server's /metrics and bench.
 
-    prompt_tokens: int
-    generated_tokens: int
-    ttft: float
-    decode_tok_s: float
-    total_seconds: float
-    hit_rate: float
-    bytes_read: int
-    wait_io_seconds: float
-    compute_seconds: float
-
-    @property
-    def bytes_read_per_token(self) -> float:
-        return self.bytes_read / max(1, self.generated_tokens)
-
-
-@dataclass(frozen=True)
-class Token:
-    """One item of engine.stream().
-
-    text: the new text (may be "" while a multi-byte character or a possible stop string is
-    held back). token_id: the sampled id (None on a final item that only flushes text).
-    logprob: its log-probability under the processed distribution; top_logprobs: (id,
-    logprob) alternatives when asked for. finish_reason: None, or on the last item "stop"
-    (EOS or a stop string), "length" (max_tokens or the context is full) or "cancelled"
-    (the engine was closed). statistics: on the last item only.
+    Counters (since the engine opened; `delta()` turns two snapshots into an interval):
+    expert_hits / expert_misses: expert cache gets served from RAM / needing a read;
+    bytes_read: bytes of expert records read; reads: records read; evictions;
+    wait_io_seconds / compute_seconds: pipeline time awaiting records / in kernels;
+    verify_seconds: time hashing freshly read records;
+    forward_steps: batched forward passes; prompt_tokens / generated_tokens: tokens prefilled
+    and sampled by streams; prefix_hits: prompt tokens whose KV came from the prefix cache.
+    Gauges (the moment of the snapshot): running / waiting: sequences decoding / queued;
+    reads_in_flight; leased: cache entries held by a computation; cache_used_nbytes /
+    cache_budget_nbytes: expert cache bytes holding records / allowed; prefix_nbytes: KV bytes
+    held by the prefix cache. hit_rate: expert_hits / gets (1.0 when there were none).
+    cache, prefetch, reader, slab: the components' own records (not subtracted by delta).
     """
 
-    text: str
-    token_id: int | None
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None
-    statistics: GenerationStatistics | None = None
+    expert_hits: int
+    expert_misses: int
+    bytes_read: int
+    reads: int
+    evictions: int
+    wait_io_seconds: float
+    compute_seconds: float
+    verify_seconds: float
+    forward_steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefix_hits: int
+    running: int
+    waiting: int
+    reads_in_flight: int
+    leased: int
+    cache_used_nbytes: int
+    cache_budget_nbytes: int
+    prefix_nbytes: int
+    dense_nbytes: int
+    cache: Any = None
+    prefetch: Any = None
+    reader: Any = None
+    slab: Any = None
+
+    COUNTERS = (
+        "expert_hits",
+        "expert_misses",
+        "bytes_read",
+        "reads",
+        "evictions",
+        "wait_io_seconds",
+        "compute_seconds",
+        "verify_seconds",
+        "forward_steps",
+        "prompt_tokens",
+        "generated_tokens",
+        "prefix_hits",
+    )
+
+    @property
+    def hit_rate(self) -> float:
+        gets = self.expert_hits + self.expert_misses
+        return self.expert_hits / gets if gets else 1.0
+
+    def delta(self, before: EngineStatistics) -> EngineStatistics:
+        """The counters of the interval since `before` (gauges as in self)."""
+        return replace(self, **{k: getattr(self, k) - getattr(before, k) for k in self.COUNTERS})
 
 
 class Sequence:
@@ -186,11 +239,33 @@ class Sequence:
         """Rewind to the first `length` tokens: the KV cache keeps their keys/values (later
         positions are overwritten by the next forward), so several continuations can each
         follow one shared prefix computed once. Raises ColibriError unless
-        0 <= length <= self.length."""
+        0 <= length <= self.length, and on a hybrid (Gated DeltaNet) model, whose recurrent
+        state summarises every token, unless length is 0 or the current length: use
+        snapshot() / restore() there."""
         if not 0 <= length <= self.kv.length:
             raise ColibriError(f"cannot truncate a {self.kv.length}-token sequence to {length}")
+        if self.kv.recurrent_state and 0 < length < self.kv.length:
+            raise ColibriError(
+                "a hybrid model's recurrent state cannot be cut back to a shorter prefix; "
+                "take Sequence.snapshot() there and restore() it"
+            )
+        if length == 0 and self.kv.recurrent_state:
+            for a in self.kv.conv + self.kv.recurrent:
+                if a is not None:
+                    a[...] = 0
         self.kv.length = length
         del self.tokens[length:]
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The sequence now, to restore() later: its length, and a copy of the recurrent
+        state on hybrid models (keys and values are positional and are kept in place)."""
+        return (len(self.tokens), self.kv.snapshot())
+
+    def restore(self, snap: tuple[Any, ...]) -> None:
+        """Return to a snapshot() taken on this sequence at a length <= the current one."""
+        n, kv = snap
+        self.kv.restore(kv)
+        del self.tokens[n:]
 
 
 class Engine:
@@ -199,8 +274,14 @@ class Engine:
     def __init__(self, store: Store, options: EngineOptions):
         self.store, self.options = store, options
         self.spec = model_spec(store.config)
+        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
+        self._check_kv_fits(self.n_ctx)
         self.model = Model(
-            store, self.spec, nthreads=options.threads, activations=options.activations
+            store,
+            self.spec,
+            nthreads=options.threads,
+            activations=options.activations,
+            pad=4 if options.batch == "fused" else 1,
         )
         budget = options.budget
         if budget is None:
@@ -213,31 +294,29 @@ class Engine:
                 f"{self.spec.moe.router.top_k} needs {minimum} bytes "
                 f"({minimum / 2**20:.1f} MiB; records are {record_nbytes} bytes)"
             )
-        self.pool = SlabPool(record_nbytes, ExpertCache.slots_for_budget(budget, record_nbytes))
-        if options.mirrors:
-            from colibri.io.mirror import open_mirrored_reader
-
-            self.reader = open_mirrored_reader(
+        # more than every record is never used: a budget above that does not reserve memory
+        budget = min(budget, max(minimum, len(store.records) * (-(-record_nbytes // 4096) * 4096)))
+        try:
+            self.io = open_expert_cache(
                 store,
-                options.mirrors,
-                options.io,
-                pool=self.pool,
+                budget,
+                io=options.io,
+                policy=options.policy,
                 queue_depth=options.queue_depth,
-                weights=options.mirror_weights,
-                verify=options.verify,  # checked per copy there, so a bad copy fails over
+                verify=options.verify,
+                prefetch=options.prefetch,
+                mirrors=options.mirrors,
+                mirror_weights=options.mirror_weights,
             )
-        else:
-            self.reader = open_reader(
-                store.experts_path, options.io, pool=self.pool, queue_depth=options.queue_depth
-            )
-        self.cache = ExpertCache(
-            store,
-            self.reader,
-            budget,
-            policy=options.policy,
-            verify=options.verify and not options.mirrors,
-        )
-        self.prefetcher = Prefetcher(self.cache) if options.prefetch else None
+        except (OSError, MemoryError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
+            raise ColibriError(
+                f"expert cache budget {budget / 2**30:.2f} GiB (--budget): cannot reserve that "
+                f"much memory ({getattr(exc, 'strerror', None) or exc}); give a smaller --budget"
+            ) from None
+        self.pool, self.reader, self.cache = self.io.pool, self.io.reader, self.io.cache
+        self.prefetcher = self.io.prefetcher
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
         if options.trace:
             from colibri.io.trace import RoutingTraceWriter
@@ -249,18 +328,45 @@ class Engine:
                 router.num_experts,
                 meta={"model_type": self.spec.model_type, "source": str(store.path)},
             )
-        self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
         self.tokenizer: Tokenizer | None = None
         if (store.path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_dir(store.path)
         self.prefill_chunk = 256
         self.generation_defaults = generation_defaults(store.path)
         self._closing = False
+        self._close_task: asyncio.Future | None = None
+        self._counts = dict.fromkeys(
+            ("prompt_tokens", "generated_tokens", "prefix_hits", "running", "waiting"), 0
+        )
+        self.prefix_cache = PrefixCache(options.prefix_cache) if options.prefix_cache else None
+        self.scheduler = Scheduler(self, options.max_running, self.prefill_chunk)
+
+    def _check_kv_fits(self, n_ctx: int) -> None:
+        """ColibriError when one sequence's KV cache of n_ctx tokens exceeds the memory
+        available (MemAvailable), before anything is allocated."""
+        dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
+        need, avail = KVCache.nbytes_for(self.spec, n_ctx, dtype), available_memory()
+        if avail and need > avail:
+            raise ColibriError(
+                f"context length {n_ctx} (--ctx / n_ctx): one sequence's {self.options.kv_dtype}"
+                f" KV cache needs {need / 2**30:.2f} GiB, only {avail / 2**30:.2f} GiB of "
+                "memory is available; lower --ctx" + (" or use --kv f16" * (dtype == np.float32))
+            )
 
     def new_sequence(self, n_ctx: int | None = None) -> Sequence:
-        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's)."""
+        """A fresh sequence with its KV cache (n_ctx tokens, default the engine's).
+        Raises ColibriError when that KV cache does not fit in memory."""
         dtype = np.float16 if self.options.kv_dtype == "f16" else np.float32
-        return Sequence(KVCache.allocate(self.spec, n_ctx or self.n_ctx, dtype))
+        n = n_ctx or self.n_ctx
+        if n != self.n_ctx:
+            self._check_kv_fits(n)
+        try:
+            return Sequence(KVCache.allocate(self.spec, n, dtype))
+        except MemoryError:
+            need = KVCache.nbytes_for(self.spec, n, dtype)
+            raise ColibriError(
+                f"context length {n}: cannot allocate its KV cache of {need / 2**30:.2f} GiB"
+            ) from None
 
     async def forward(
         self, seq: Sequence, tokens: list[int], all_logits: bool = False, logits_from: int = 0
@@ -332,6 +438,7 @@ class Engine:
         *,
         max_tokens: int = 256,
         template_kwargs: Mapping[str, Any] | None = None,
+        ignore_eos: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[Token]:
         """Generate from a prompt: a string, chat messages ([{"role", "content"}, ...], rendered
@@ -340,7 +447,8 @@ class Engine:
         sampling: SamplingParams fields (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed, logprobs, stop); temperature 0 is greedy.
         Fields not given come from the model's generation_config.json (as transformers'
-        generate() does), else SamplingParams' defaults.
+        generate() does), else SamplingParams' defaults. ignore_eos: keep generating past
+        end-of-sequence tokens (benchmarks; vLLM's option of that name).
         Yields Token items; the last one carries finish_reason and statistics. Breaking out
         of the loop or cancelling the task stops generation and releases every expert
         record it held. Raises SamplingError (bad sampling values), TokenizerError, and
@@ -351,72 +459,78 @@ class Engine:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ColibriError(
+                    f"prompt: a list must hold token ids (integers) or messages, got {bad[0]!r}"
+                )
+            ids = [int(t) for t in ids]
         if not ids:
             raise ColibriError("empty prompt")
-        seq = self.new_sequence()
-        if len(ids) >= seq.kv.n_ctx:
+        if len(ids) >= self.n_ctx:
             raise ColibriError(
-                f"prompt too long: {len(ids)} tokens, context length {seq.kv.n_ctx} "
+                f"prompt too long: {len(ids)} tokens, context length {self.n_ctx} "
                 "(set n_ctx / --ctx)"
             )
-        sampler = Sampler(params)
+        vocab = self.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ColibriError(
+                f"token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
+            )
         tok = self.tokenizer
-        eos = tok.eos_token_ids if tok is not None else frozenset()
-        decoder = tok.stream_decoder(ids) if tok is not None else None
-        stops = StopChecker(params.stop)
-        c0, times0 = self.cache.statistics(), _times(self.pipeline)
-        out: list[int] = []
-        t_first = None
-        finish = "length"
+        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
+        gen = Generation(self, ids, params, eos, t0)
+        self.scheduler.submit(gen)
         try:
-            for start in range(0, len(ids), self.prefill_chunk):
-                logits = await self.forward(seq, ids[start : start + self.prefill_chunk])
-            while len(out) < max_tokens:
-                if self._closing:
-                    finish = "cancelled"
-                    break
-                s = sampler.sample(logits, ids, out)
-                out.append(s.token_id)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if s.token_id in eos:
-                    finish = "stop"
-                    yield Token("", s.token_id, s.logprob, s.top_logprobs)
-                    break
-                text = decoder.push(s.token_id) if decoder is not None else ""
-                text, stopped = stops.push(text)
-                yield Token(text, s.token_id, s.logprob, s.top_logprobs)
-                if stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= max_tokens:
-                    break
-                if seq.length + 1 > seq.kv.n_ctx:
-                    break
-                logits = await self.forward(seq, [s.token_id])
+            while True:
+                item = await gen.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
         finally:
-            seq.kv = None  # type: ignore[assignment]  # free the KV cache now
-        tail = ""
-        if finish != "stop" and decoder is not None:
-            tail, _ = stops.push(decoder.flush())
-            tail += stops.flush()
-        t_end = time.perf_counter()
-        c1, times1 = self.cache.statistics(), _times(self.pipeline)
-        hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
-        t_first = t_first or t_end
-        stats = GenerationStatistics(
-            prompt_tokens=len(ids),
-            generated_tokens=len(out),
-            ttft=t_first - t0,
-            decode_tok_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
-            total_seconds=t_end - t0,
-            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
-            bytes_read=c1.bytes_read - c0.bytes_read,
-            wait_io_seconds=times1[0] - times0[0],
-            compute_seconds=times1[1] - times0[1],
-        )
-        yield Token(tail, None, finish_reason=finish, statistics=stats)
+            step = self.scheduler.cancel(gen)  # a no-op once it has finished
+            if step is not None:  # it ran alone: its records are released when it ends
+                await asyncio.wait({step})
+
+    async def score(self, ids: Seq[int], logprobs: int = 0) -> list[Token]:
+        """The log-probability of each token of `ids` given the ones before it (the raw
+        model distribution: log-softmax of the logits, no sampling processors), as
+        Token(text="", token_id, logprob, top_logprobs) for ids[1:]; top_logprobs: the
+        `logprobs` most likely (id, logprob) alternatives, most likely first. The prompt is
+        fed in the same chunks as a generation's prefill. Raises ColibriError when ids do
+        not fit in the context or hold an id outside the vocabulary."""
+        from colibri.sampling import log_softmax
+
+        ids = [int(t) for t in ids]
+        if len(ids) > self.n_ctx:
+            raise ColibriError(f"{len(ids)} tokens exceed the context length {self.n_ctx}")
+        vocab = self.spec.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ColibriError(f"token ids must be in [0, {vocab})")
+        seq = self.new_sequence()
+        rows: list[np.ndarray] = []
+        for start in range(0, len(ids) - 1, self.prefill_chunk):
+            chunk = np.asarray(ids[start : start + self.prefill_chunk], dtype=np.int64)
+            rows.append((await self.pipeline.forward_batch([(chunk, seq.kv)], [True]))[0])
+        seq.kv = None  # type: ignore[assignment]
+        out = []
+        if not rows:
+            return out
+        logits = np.concatenate(rows)
+        for t in range(1, len(ids)):
+            lp = log_softmax(logits[t - 1])
+            top: tuple[tuple[int, float], ...] = ()
+            if logprobs:
+                n = min(logprobs, lp.size)
+                cand = np.argpartition(-lp, n - 1)[:n]
+                best = cand[np.lexsort((cand, -lp[cand]))]  # by logprob, then lowest id
+                top = tuple((int(i), float(lp[i])) for i in best)
+            out.append(Token("", ids[t], float(lp[ids[t]]), top))
+        return out
 
     async def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string (same arguments as stream())."""
@@ -442,27 +556,56 @@ class Engine:
 
         return load_session(self, path)
 
-    def statistics(self) -> dict[str, Any]:
-        """The engine's figures: cache, prefetcher, reader, slab pool, pipeline times."""
-        return {
-            "cache": self.cache.statistics(),
-            "prefetch": self.prefetcher.statistics() if self.prefetcher else None,
-            "reader": self.reader.statistics(),
-            "slab": self.pool.statistics(),
-            "pipeline": self.pipeline.times,
-            "dense_nbytes": self.model.dense_nbytes,
-        }
+    def statistics(self, components: bool = True) -> EngineStatistics:
+        """A snapshot of the engine's figures (EngineStatistics; never blocks).
+        components=False leaves out the components' own records (cache, prefetch, reader,
+        slab): the cache's record measures resident memory page by page, too slow to take
+        on every request of a big pool."""
+        c = self.cache.counts()
+        t = self.pipeline.times
+        return EngineStatistics(
+            expert_hits=c["hits"],
+            expert_misses=c["misses"],
+            bytes_read=c["bytes_read"],
+            reads=c["reads"],
+            evictions=c["evictions"],
+            wait_io_seconds=t.wait_io,
+            compute_seconds=t.compute,
+            verify_seconds=c["verify_seconds"],
+            forward_steps=t.steps,
+            prompt_tokens=self._counts["prompt_tokens"],
+            generated_tokens=self._counts["generated_tokens"],
+            prefix_hits=self._counts["prefix_hits"],
+            running=self._counts["running"],
+            waiting=self._counts["waiting"],
+            reads_in_flight=c["reads_in_flight"],
+            leased=c["leased"],
+            cache_used_nbytes=c["resident_entries"] * c["slot_nbytes"],
+            cache_budget_nbytes=c["budget_nbytes"],
+            prefix_nbytes=self.prefix_cache.nbytes if self.prefix_cache else 0,
+            dense_nbytes=self.model.dense_nbytes,
+            cache=self.cache.statistics() if components else None,
+            prefetch=self.prefetcher.statistics() if components and self.prefetcher else None,
+            reader=self.reader.statistics() if components else None,
+            slab=self.pool.statistics() if components else None,
+        )
 
     async def aclose(self) -> None:
         """Release the cache, the reader and the compute thread. Streams still running end
-        with finish_reason "cancelled" at their next token."""
+        with finish_reason "cancelled" after the current step. Calling it again waits for
+        the first call to finish."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._aclose())
+        await asyncio.shield(self._close_task)
+
+    async def _aclose(self) -> None:
         self._closing = True
+        await self.scheduler.aclose()
         if self.pipeline.tracer is not None:
             self.pipeline.tracer.save(self.options.trace)
         self.pipeline.close()
-        await self.cache.aclose()
-        await self.reader.aclose()
-        self.pool.close()
+        await self.io.aclose()
+        self.io.close_pool()
 
 
 def _times(pipeline: Pipeline) -> tuple[float, float]:
@@ -500,48 +643,76 @@ class SyncEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        # close() may come from another thread than a running stream(): the loop stays up
+        # until the last stream has ended (with finish_reason "cancelled")
+        self._lock = threading.Lock()
+        self._streams = 0
+        self._closing = self._stopped = False
         self._cm = open_engine(path, **options)
         try:
             self.engine: Engine = self._call(self._cm.__aenter__())
         except BaseException:
-            self._stop()
+            self._closing = True
+            self._release_loop()
             raise
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ColibriError("the engine is closed")
+
     def generate(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> str:
         """The whole completion as one string."""
+        self._check_open()
         return self._call(self.engine.generate(prompt, **kw))
 
     def stream(self, prompt: str | Seq[Mapping[str, Any]] | Seq[int], **kw: Any) -> Iterator[Token]:
-        """Token items as they are generated (see Engine.stream)."""
-        agen = self.engine.stream(prompt, **kw)
+        """Token items as they are generated (see Engine.stream). A close() from another
+        thread ends it with finish_reason "cancelled"."""
+        with self._lock:
+            self._check_open()
+            self._streams += 1
         try:
-            while True:
-                try:
-                    yield self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+            agen = self.engine.stream(prompt, **kw)
+            try:
+                while True:
+                    try:
+                        yield self._call(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+            finally:
+                self._call(agen.aclose())
         finally:
-            self._call(agen.aclose())
+            with self._lock:
+                self._streams -= 1
+            self._release_loop()
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> EngineStatistics:
         return self.engine.statistics()
 
-    def _stop(self) -> None:
+    def _release_loop(self) -> None:
+        """Stop the loop thread once closing and no stream is left (once)."""
+        with self._lock:
+            if not self._closing or self._streams or self._stopped:
+                return
+            self._stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+            self._loop.close()
 
     def close(self) -> None:
-        """Close the engine and its thread."""
-        if self._loop.is_closed():
-            return
+        """Close the engine; its thread ends once no stream() is running (idempotent)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
             self._call(self._cm.__aexit__(None, None, None))
         finally:
-            self._stop()
+            self._release_loop()
 
     def __enter__(self) -> SyncEngine:
         return self

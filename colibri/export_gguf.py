@@ -462,6 +462,10 @@ def export_gguf(
     out = Path(out_path)
     if out.exists() and not force:
         raise ConversionError(f"{out}: already exists (use --force to replace it)")
+    if out.is_dir():
+        raise ConversionError(f"{out}: is a directory; OUT.gguf must be a file name")
+    if not out.parent.is_dir():
+        raise ConversionError(f"{out}: directory {out.parent} does not exist")
     _check_supported(store)
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, _arch(store).arch)]
     plan = _plan(store)
@@ -498,6 +502,9 @@ def export_gguf(
             os.fsync(f.fileno())
         w.close()
         os.replace(tmp, out)
+    except OSError as exc:  # no space, file too large...: name OUT, leave nothing
+        tmp.unlink(missing_ok=True)
+        raise ConversionError(f"{out}: cannot write the GGUF file: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

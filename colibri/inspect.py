@@ -65,7 +65,11 @@ def _fmt_params(n: int) -> str:
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE", help="store directory")
-    p.add_argument("--verify", action="store_true", help="read every record, check checksums")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every expert record and dense tensor, check their checksums",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -92,6 +96,14 @@ def run_cli(args: argparse.Namespace) -> int:
         ) as bar:
             store.verify_all(progress=bar.update)
         print(f"checksums      all {len(store.records)} records verified (xxh3_64)")
+        checked = store.verify_dense()
+        if store.dense_checksummed:
+            print(f"               all {checked} dense tensors verified (xxh3_64)")
+        else:
+            print(
+                f"               dense tensors: {checked} of {len(store.dense_names())} have "
+                "checksums (a store written before dense checksums; re-convert to add them)"
+            )
     else:
         print("checksums      not verified (use --verify)")
     return 0

@@ -8,20 +8,36 @@ keeps reaping expert reads. All activations are f32 [n_tokens, ...].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibri.compute import moe, ops
+from colibri.compute import deltanet, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
 from colibri.io.format import Store
 from colibri.models.spec import AttentionSpec, LayerSpec, ModelSpec
 
+GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
+
+
+def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
+    """x [n, ...] with zero rows appended up to a multiple of `multiple` rows (x itself when
+    n already is one). The kernels compute every row the same way whenever the row count is
+    a multiple of 4 (tests/test_batching.py), which makes padded calls batch-invariant."""
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return np.concatenate([x, np.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
+
 
 class Linear:
     """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
-    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0."""
+    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0.
+    pad: run the kernel on x padded with zero rows to a multiple of `pad` rows (1: never)."""
+
+    pad = 1
 
     def __init__(
         self,
@@ -43,6 +59,12 @@ class Linear:
         self, x: np.ndarray, out: np.ndarray | None = None, nthreads: int = 0
     ) -> np.ndarray:
         """x f32 [n, cols] -> f32 [n, rows] (written into out when given)."""
+        if self.pad > 1 and x.shape[0] % self.pad:
+            y = self(pad_rows(x, self.pad), nthreads=nthreads)[: x.shape[0]]
+            if out is None:
+                return y
+            out[...] = y
+            return out
         if out is None:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
         if self.act_q8:
@@ -63,18 +85,81 @@ class KVCache:
     Multi-head latent attention layers keep the compressed form instead: k[layer] is
     v[layer] (one array), [n_ctx, 1, kv_lora_rank + qk_rope_head_dim] holding the normed latent
     then the rotated rope key; memory layers * n_ctx * (kv_lora_rank + rope) * itemsize.
+    Gated DeltaNet layers (LayerSpec.linear_attn) keep a fixed-size state instead, always f32:
+    conv[layer] [linear_conv_kernel_dim - 1, conv_dim], the conv's last inputs, and
+    recurrent[layer] [linear_num_value_heads, linear_key_head_dim, linear_value_head_dim];
+    their k/v entries are empty, and conv/recurrent are None for attention layers. That state
+    summarises every token so far: a sequence can grow but never be cut back (`length` only
+    moves forward on hybrid models).
     """
 
     k: list[np.ndarray]
     v: list[np.ndarray]
     n_ctx: int
     length: int = 0
+    conv: list[np.ndarray | None] = field(default_factory=list)
+    recurrent: list[np.ndarray | None] = field(default_factory=list)
+
+    @property
+    def recurrent_state(self) -> bool:
+        """Whether the cache holds Gated DeltaNet state, which cannot be cut back."""
+        return any(c is not None for c in self.conv)
+
+    def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
+        """(length, copies of the conv / recurrent state): what restore() needs to return
+        here later (keys and values before `length` are never overwritten by later tokens)."""
+        copy = [None if a is None else a.copy() for a in self.conv]
+        return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
+
+    def restore(self, snap: tuple[int, list[np.ndarray | None], list[np.ndarray | None]]) -> None:
+        """Return to a snapshot() of this cache taken at a length <= the current one."""
+        length, conv, recurrent = snap
+        if length > self.length:
+            raise ValueError(f"snapshot at {length} tokens is past the cache's {self.length}")
+        for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
+            if dst is not None:
+                dst[...] = src
+        self.length = length
+
+    @staticmethod
+    def nbytes_for(spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> int:
+        """Bytes `allocate(spec, n_ctx, dtype)` would take (computed, nothing allocated)."""
+        per_token = 0
+        for layer in spec.layers:
+            a = layer.attention
+            if a.mla is not None:
+                per_token += a.mla.kv_lora_rank + a.rot_dim
+            else:
+                per_token += a.n_kv_heads * (a.head_dim + a.v_head_dim)
+        return per_token * n_ctx * np.dtype(dtype).itemsize
 
     @classmethod
     def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
+        """Zeroed keys and values for `n_ctx` tokens. Raises MemoryError when they do not
+        fit (callers check nbytes_for against the available memory first)."""
         k, v = [], []
+        conv: list[np.ndarray | None] = []
+        recurrent: list[np.ndarray | None] = []
         for layer in spec.layers:
             a = layer.attention
+            g = layer.linear_attn
+            conv.append(
+                None
+                if g is None
+                else np.zeros((g.linear_conv_kernel_dim - 1, g.conv_dim), np.float32)
+            )
+            recurrent.append(
+                None
+                if g is None
+                else np.zeros(
+                    (g.linear_num_value_heads, g.linear_key_head_dim, g.linear_value_head_dim),
+                    np.float32,
+                )
+            )
+            if g is not None:
+                k.append(np.zeros((0, 1, 1), dtype=dtype))
+                v.append(k[-1])
+                continue
             if a.mla is not None:
                 latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
                 k.append(latent)
@@ -82,11 +167,12 @@ class KVCache:
                 continue
             k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
             v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
-        return cls(k, v, n_ctx)
+        return cls(k, v, n_ctx, conv=conv, recurrent=recurrent)
 
     @property
     def nbytes(self) -> int:
         arrays = {id(a): a for a in (*self.k, *self.v)}  # MLA layers share one array
+        arrays |= {id(a): a for a in (*self.conv, *self.recurrent) if a is not None}
         return sum(a.nbytes for a in arrays.values())
 
 
@@ -94,20 +180,35 @@ class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
     activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
-    ops.matmul_q8; float weights stay f32) or "f32" (exact).
+    ops.matmul_q8; float weights stay f32) or "f32" (exact). pad: every matmul and expert FFN
+    runs on rows padded to a multiple of `pad` (4: each row's result is the same in any batch;
+    1: no padding, fastest alone).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
-    def __init__(self, store: Store, spec: ModelSpec, nthreads: int = 0, activations: str = "q8_0"):
-        self.store, self.spec, self.nthreads = store, spec, nthreads
+    def __init__(
+        self,
+        store: Store,
+        spec: ModelSpec,
+        nthreads: int = 0,
+        activations: str = "q8_0",
+        pad: int = 1,
+    ):
+        self.store, self.spec, self.nthreads, self.pad = store, spec, nthreads, pad
         if activations not in ("f32", "q8_0"):
             raise ValueError(f"activations={activations!r}: must be f32 or q8_0")
         self.act_q8 = activations == "q8_0"
+        # Gated DeltaNet prefill of >= GDR_CHUNK tokens in the chunked form (numpy) instead of
+        # the recurrent C kernel; off: on the real Qwen3.5 shape the kernel is ~3x faster
+        # (0.4 vs 1.3 ms per token and layer at 256 tokens, one thread). Same results.
+        self.gdr_chunked = False
         self._names = set(store.dense_names())
         self.embed_w, self.embed_qtype = self._raw(
             f"{spec.embed}.weight", (spec.vocab_size, spec.d_model)
         )
         self.final_norm = self._vector(f"{spec.final_norm}.weight", spec.d_model)
+        if spec.norm_offset:
+            self.final_norm = self.final_norm + np.float32(spec.norm_offset)
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.layers = [self._load_layer(layer) for layer in spec.layers]
         layout = store.layout
@@ -116,10 +217,14 @@ class Model:
         self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
 
     # ---- loading -------------------------------------------------------------------------
-    def _raw(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, QType]:
+    def _raw(
+        self, name: str, shape: tuple[int, ...], widen: bool = False
+    ) -> tuple[np.ndarray, QType]:
+        """Tensor `name` as stored (f16/bf16 kept 2 bytes wide for the kernels), or widened
+        to float32 when `widen`; checked against the logical `shape`."""
         if name not in self._names:
             raise StoreError(f"{self.store.path}: dense tensor {name!r} is missing")
-        data, qtype, logical = self.store.dense(name)
+        data, qtype, logical = self.store.dense(name, widen=widen)
         if tuple(logical) != tuple(shape):
             raise StoreError(
                 f"{self.store.path}: tensor {name!r} has shape {list(logical)}, "
@@ -128,13 +233,20 @@ class Model:
         return data, QType.parse(qtype)
 
     def _vector(self, name: str, n: int) -> np.ndarray:
-        data, _qtype = self._raw(name, (n,))
+        data, qtype = self._raw(name, (n,), widen=True)
+        if qtype not in (QType.F32, QType.F16, QType.BF16):  # block bytes are no floats
+            raise StoreError(
+                f"{self.store.path}: dense tensor {name!r} is {qtype.name.lower()}; norms, "
+                "biases and vectors must be f32, f16 or bf16"
+            )
         return np.ascontiguousarray(data, dtype=np.float32)
 
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
         w, qtype = self._raw(f"{prefix}.weight", (rows, cols))
         bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
-        return Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
+        lin = Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
+        lin.pad = self.pad
+        return lin
 
     def _load_mla(self, spec: LayerSpec) -> dict[str, object]:
         """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] is kept absorbed, f32:
@@ -167,11 +279,13 @@ class Model:
             "input_norm": self._vector(f"{n['input_norm']}.weight", d),
             "post_norm": self._vector(f"{n['post_norm']}.weight", d),
         }
-        if a.mla is not None:
+        if spec.linear_attn is not None:
+            w |= self._load_linear_attn(spec)
+        elif a.mla is not None:
             w |= self._load_mla(spec)
         else:
             w |= {
-                "q": self._linear(n["q"], a.n_heads * a.head_dim, d),
+                "q": self._linear(n["q"], a.n_heads * a.head_dim * (1 + a.output_gate), d),
                 "k": self._linear(n["k"], a.n_kv_heads * a.head_dim, d),
                 "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
                 "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
@@ -201,6 +315,43 @@ class Model:
                 )
         if "shared_expert_gate" in n:
             w["shared_expert_gate"] = self._linear(n["shared_expert_gate"], 1, d)
+        if self.spec.norm_offset:  # zero-centred RMSNorm weights (ModelSpec.norm_offset)
+            for role in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                if role in w:
+                    w[role] = w[role] + np.float32(self.spec.norm_offset)
+        return w
+
+    def _load_linear_attn(self, spec: LayerSpec) -> dict[str, object]:
+        """Gated DeltaNet weights (models.spec.GatedDeltaNetSpec). Qwen3-Next's fused
+        in_proj_qkvz / in_proj_ba outputs are grouped per key head; `qkvz_order` / `ba_order`
+        gather them into [q | k | v | z] and [b | a] (head-major within each)."""
+        g, d, n = spec.linear_attn, self.spec.d_model, spec.names
+        assert g is not None
+        hk, hv = g.linear_num_key_heads, g.linear_num_value_heads
+        dk, dv, r = g.linear_key_head_dim, g.linear_value_head_dim, hv // hk
+        w: dict[str, object] = {}
+        if g.fused_qkvz:
+            w["in_proj_qkvz"] = self._linear(n["in_proj_qkvz"], 2 * g.key_dim + 2 * g.value_dim, d)
+            w["in_proj_ba"] = self._linear(n["in_proj_ba"], 2 * hv, d)
+            idx = np.arange(hk * (2 * dk + 2 * r * dv)).reshape(hk, -1)
+            cuts = np.cumsum([0, dk, dk, r * dv, r * dv])
+            w["qkvz_order"] = np.concatenate(
+                [idx[:, a:b].ravel() for a, b in itertools.pairwise(cuts)]
+            )
+            idx = np.arange(2 * hv).reshape(hk, 2 * r)
+            w["ba_order"] = np.concatenate([idx[:, :r].ravel(), idx[:, r:].ravel()])
+        else:
+            w["in_proj_qkv"] = self._linear(n["in_proj_qkv"], g.conv_dim, d)
+            w["in_proj_z"] = self._linear(n["in_proj_z"], g.value_dim, d)
+            w["in_proj_b"] = self._linear(n["in_proj_b"], hv, d)
+            w["in_proj_a"] = self._linear(n["in_proj_a"], hv, d)
+        kernel = g.linear_conv_kernel_dim
+        conv, _ = self._raw(f"{n['conv1d']}.weight", (g.conv_dim, 1, kernel))
+        w["conv1d"] = np.ascontiguousarray(conv, dtype=np.float32).reshape(g.conv_dim, kernel)
+        w["dt_bias"] = self._vector(n["dt_bias"], hv)
+        w["A"] = -np.exp(self._vector(n["A_log"], hv))
+        w["linear_norm"] = self._vector(f"{n['linear_norm']}.weight", dv)
+        w["o"] = self._linear(n["o"], d, g.value_dim)
         return w
 
     @property
@@ -228,7 +379,9 @@ class Model:
         w, n = self.layers[i], x.shape[0]
         h = np.empty_like(x)
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
-        if self.spec.layers[i].attention.mla is not None:
+        if self.spec.layers[i].linear_attn is not None:
+            out = self._gated_deltanet(i, h, kv)
+        elif self.spec.layers[i].attention.mla is not None:
             out = self._attention_mla(i, h, kv, pos0)
         else:
             out = self._attention_gqa(i, h, kv, pos0)
@@ -240,14 +393,19 @@ class Model:
         spec, w = self.spec.layers[i], self.layers[i]
         a, n = spec.attention, h.shape[0]
         q = w["q"](h, nthreads=self.nthreads)
+        gate = None
+        if a.output_gate:  # per head [query | output gate] (AttentionSpec.output_gate)
+            qg = q.reshape(n, a.n_heads, 2 * a.head_dim)
+            q = np.ascontiguousarray(qg[:, :, : a.head_dim]).reshape(n, -1)
+            gate = qg[:, :, a.head_dim :]
         k = w["k"](h, nthreads=self.nthreads)
         v = w["v"](h, nthreads=self.nthreads)
-        if a.clip_qkv is not None:
-            for t in (q, k, v):
-                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
         if a.qk_norm == "full":
             ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
             ops.rmsnorm(k, k, w["k_norm"], self.spec.norm_eps)
+        if a.clip_qkv is not None:  # after the q/k norm, as OlmoeAttention clamps
+            for t in (q, k, v):
+                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
         q = q.reshape(n, a.n_heads, a.head_dim)
         k = k.reshape(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm == "head":
@@ -274,19 +432,21 @@ class Model:
         out = np.empty((n, a.n_heads, a.v_head_dim), dtype=np.float32)
         if a.attention_chunk_size > 0:
             self._chunked_attention(i, out, q, kv, pos0)
-            return out
-        ops.attention(
-            out,
-            q,
-            kv.k[i],
-            kv.v[i],
-            n_kv=pos0 + n,
-            q_pos0=pos0,
-            scale=a.scale,
-            window=a.window,
-            sinks=w.get("sinks"),
-            nthreads=self.nthreads,
-        )
+        else:
+            ops.attention(
+                out,
+                q,
+                kv.k[i],
+                kv.v[i],
+                n_kv=pos0 + n,
+                q_pos0=pos0,
+                scale=a.scale,
+                window=a.window,
+                sinks=w.get("sinks"),
+                nthreads=self.nthreads,
+            )
+        if gate is not None:
+            out *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
         return out
 
     def _llama4_qk(self, a: AttentionSpec, q: np.ndarray, k: np.ndarray, pos: np.ndarray) -> None:
@@ -330,6 +490,48 @@ class Model:
                 nthreads=self.nthreads,
             )
             t += m
+
+    def _gated_deltanet(self, i: int, h: np.ndarray, kv: KVCache) -> np.ndarray:
+        """Gated DeltaNet of layer i on its normed input h f32 [n, d_model] (Qwen3NextGatedDeltaNet
+        / Qwen3_5MoeGatedDeltaNet), continuing the sequence's conv and recurrent state in kv.
+        The recurrent kernel, or with `gdr_chunked` the chunked form for prefills of at least
+        GDR_CHUNK tokens. Returns f32 [n, value_dim], before out_proj."""
+        g, w = self.spec.layers[i].linear_attn, self.layers[i]
+        assert g is not None
+        n, t = h.shape[0], self.nthreads
+        hk, hv = g.linear_num_key_heads, g.linear_num_value_heads
+        dk, dv, kd = g.linear_key_head_dim, g.linear_value_head_dim, g.key_dim
+        if g.fused_qkvz:
+            qkvz = w["in_proj_qkvz"](h, nthreads=t)[:, w["qkvz_order"]]
+            ba = w["in_proj_ba"](h, nthreads=t)[:, w["ba_order"]]
+            mixed, z = qkvz[:, : g.conv_dim], qkvz[:, g.conv_dim :]
+            b, a = ba[:, :hv], ba[:, hv:]
+        else:
+            mixed = w["in_proj_qkv"](h, nthreads=t)
+            z = w["in_proj_z"](h, nthreads=t)
+            b, a = w["in_proj_b"](h, nthreads=t), w["in_proj_a"](h, nthreads=t)
+        x = deltanet.causal_conv1d(np.ascontiguousarray(mixed), kv.conv[i], w["conv1d"])
+        q = deltanet.l2norm(x[:, :kd].reshape(n, hk, dk)) * np.float32(dk**-0.5)
+        k = deltanet.l2norm(x[:, kd : 2 * kd].reshape(n, hk, dk))
+        v = np.ascontiguousarray(x[:, 2 * kd :].reshape(n, hv, dv))
+        beta = np.float32(1.0) / (np.float32(1.0) + np.exp(-b))
+        sp = a + w["dt_bias"]  # softplus as torch: linear above 20
+        sp = np.where(sp > 20, sp, np.log1p(np.exp(np.minimum(sp, 20)))).astype(np.float32)
+        decay = np.ascontiguousarray(w["A"] * sp, dtype=np.float32)
+        state = kv.recurrent[i]
+        if self.gdr_chunked and n >= GDR_CHUNK:
+            core = deltanet.chunk_gated_delta_rule(q, k, v, decay, beta, state, GDR_CHUNK)
+        else:
+            core = np.empty((n, hv, dv), dtype=np.float32)
+            ops.gated_delta_rule(
+                core, state, np.ascontiguousarray(q), np.ascontiguousarray(k), v, decay,
+                np.ascontiguousarray(beta), nthreads=t,
+            )  # fmt: skip
+        core = core.reshape(n * hv, dv)
+        ops.rmsnorm(core, core, w["linear_norm"], g.norm_eps)
+        zz = np.ascontiguousarray(z.reshape(n * hv, dv))
+        core *= ops.silu(zz, zz)
+        return core.reshape(n, g.value_dim)
 
     def _attention_mla(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """Multi-head latent attention of layer i on its normed input h f32 [n, d_model].
@@ -393,11 +595,13 @@ class Model:
         """out += the dense part of layer i's FFN: a dense MLP, or the shared expert
         (times sigmoid(shared_expert_gate(h)) when the family has that gate)."""
         w = self.layers[i]
+        n = h.shape[0]
+        h = pad_rows(h, self.pad)
         for kind in ("mlp", "shared"):
             if kind not in w:
                 continue
             gate, up, down = w[kind]
-            y = np.zeros_like(out)
+            y = np.zeros_like(h)
             ops.expert_ffn(
                 y,
                 h,
@@ -415,7 +619,7 @@ class Model:
             if "shared_expert_gate" in w and kind == "shared":
                 g = w["shared_expert_gate"](h)
                 y *= 1.0 / (1.0 + np.exp(-g))
-            out += y
+            out += y[:n]
 
     def expert_ffn(
         self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
@@ -431,7 +635,11 @@ class Model:
         if m.apply_router_weight_on_input:  # Llama 4: FFN(weight * x), see MoESpec
             x = x * np.asarray(weights, dtype=np.float32)[:, None]
             weights = np.ones(len(rows), dtype=np.float32)
-        y = np.empty((len(rows), self.spec.d_model), dtype=np.float32)
+        m_rows = len(rows)
+        if m_rows % self.pad:
+            x = pad_rows(np.ascontiguousarray(x), self.pad)
+            weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
+        y = np.empty((x.shape[0], self.spec.d_model), dtype=np.float32)
         bias = {
             n: part[n].view(np.float32) if n in part else None
             for n in ("gate_bias", "up_bias", "down_bias")
@@ -456,7 +664,7 @@ class Model:
             act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
             nthreads=self.nthreads,
         )
-        return y
+        return y[:m_rows]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size]."""

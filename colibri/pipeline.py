@@ -14,8 +14,9 @@ never tokens.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ class StepTimes:
     wait_io: float = 0.0  # awaiting expert records that were not ready
     layers: int = 0
     experts: int = 0
+    steps: int = 0  # forward passes (one per batch of sequences)
 
 
 class Pipeline:
@@ -55,8 +57,13 @@ class Pipeline:
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="colibri-compute")
         self.times = StepTimes()
+        # fused: the batch's rows are stacked into one array, so routers, experts, shared
+        # experts and the output head run once over every sequence's rows (one weight pass);
+        # the model must pad rows (Model(pad=4)) for that to stay batch-invariant
+        self.fused = getattr(model, "pad", 1) > 1
         self.tracer: Any = None  # a RoutingTraceWriter: every token's choice per layer
         self._traced = 0  # tokens recorded so far
+        self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
 
     def close(self) -> None:
@@ -103,36 +110,106 @@ class Pipeline:
         tokens do not fit in the KV cache's context. Cancelling stops between expert loads
         and releases every record it holds.
         """
-        n, pos0 = len(tokens), kv.length
-        if pos0 + n > kv.n_ctx:
-            raise ValueError(
-                f"context length exceeded: {pos0 + n} tokens > n_ctx {kv.n_ctx} "
-                "(raise it with --ctx / n_ctx=)"
-            )
+        return (await self.forward_batch([(tokens, kv)], [all_logits], [logits_from]))[0]
+
+    async def forward_batch(
+        self,
+        batch: Sequence[tuple[np.ndarray, KVCache]],
+        all_logits: Sequence[bool] = (),
+        logits_from: Sequence[int] = (),
+    ) -> list[np.ndarray]:
+        """One forward pass over several sequences: batch[s] = (tokens int [n_s], kv_s), the
+        next n_s positions of sequence s (a decode token, or a chunk of its prompt).
+
+        Each MoE layer routes every token, requests the union of the batch's experts from
+        the cache once and, as each record arrives, runs that expert over the tokens of every
+        sequence routed to it. Batch invariance: every kernel call covers the rows of one
+        sequence, exactly the calls that sequence makes when it runs alone, so its logits
+        are bit-identical whatever else is in the batch (the kernels' row blocking differs
+        with the number of rows, see README "Serving"). What sequences share is the expert
+        reads, the cache lookups and the trips to the compute thread.
+
+        Returns per sequence the last token's logits f32 [vocab_size], or where all_logits[s]
+        is true those of its tokens from logits_from[s] (default 0) on, f32
+        [n_s - logits_from[s], vocab_size] (the output head runs on those rows only).
+        Raises ValueError when a sequence's tokens do not fit in its context. Cancelling
+        stops between expert loads and releases every record it holds (the KV caches are then
+        partly written).
+        """
+        pos0 = []
+        for tokens, kv in batch:
+            if kv.length + len(tokens) > kv.n_ctx:
+                raise ValueError(
+                    f"context length exceeded: {kv.length + len(tokens)} tokens > n_ctx "
+                    f"{kv.n_ctx} (raise it with --ctx / n_ctx=)"
+                )
+            pos0.append(kv.length)
         m = self.model
         if self.prefetcher is not None:
             self.prefetcher.new_token()
-        x = await self._run(m.embed, np.asarray(tokens, dtype=np.int64))
+        xs = await self._run(self._embed, [t for t, _ in batch])
+        stacked = None
+        if self.fused:  # one array, each sequence's rows a view into it
+            stacked = np.concatenate(xs)
+            offsets = np.cumsum([0] + [len(x) for x in xs])
+            xs = [stacked[a:b] for a, b in itertools.pairwise(offsets)]
+        kvs = [kv for _, kv in batch]
+        records = 0  # expert records this step requested, over all layers
         for spec in m.spec.layers:
             i = spec.index
             if not spec.moe:  # a dense layer: one trip to the compute thread
-                await self._run(self._dense_layer, i, x, kv, pos0)
+                await self._run(self._dense_layers, i, xs, kvs, pos0)
                 continue
-            h, ids, weights, predicted = await self._run(self._attention_and_route, i, x, kv, pos0)
+            routed, predicted = await self._run(
+                self._attention_and_route, i, xs, kvs, pos0, stacked
+            )
             if self.tracer is not None:
-                for t in range(n):
-                    self.tracer.record(self._traced + t, i, ids[t].tolist(), weights[t].tolist())
-            experts = np.unique(ids).tolist()
+                t0 = self._traced
+                for _h, ids, weights in routed:
+                    for t in range(len(ids)):
+                        self.tracer.record(t0 + t, i, ids[t].tolist(), weights[t].tolist())
+                    t0 += len(ids)
+            experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             self.cache.request(i, experts)  # misses go to disk now, as one batch
+            records += len(experts)
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
-            await self._moe(i, x, h, ids, weights, experts)
+            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
             self.times.layers += 1
-        kv.length = pos0 + n
-        self._traced += n
-        if all_logits:
-            return await self._run(m.logits, x[logits_from:])
-        return (await self._run(m.logits, x[-1:]))[0]
+        for (tokens, kv), p in zip(batch, pos0, strict=True):
+            kv.length = p + len(tokens)
+            self._traced += len(tokens)
+        self.times.steps += 1
+        self.last_step = (len(batch), records)
+        want = list(all_logits) + [False] * (len(batch) - len(all_logits))
+        first = list(logits_from) + [0] * (len(batch) - len(logits_from))
+        return await self._run(self._logits, xs, want, first, stacked is not None)
+
+    def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
+        return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
+
+    def _logits(
+        self, xs: list[np.ndarray], all_logits: list[bool], first: list[int], fused: bool
+    ) -> list[np.ndarray]:
+        m = self.model
+        if not fused:
+            return [
+                m.logits(x[f:]) if full else m.logits(x[-1:])[0]
+                for x, full, f in zip(xs, all_logits, first, strict=True)
+            ]
+        rows = [x[f:] if full else x[-1:] for x, full, f in zip(xs, all_logits, first, strict=True)]
+        out, k = m.logits(np.concatenate(rows)), 0
+        result = []
+        for r, full in zip(rows, all_logits, strict=True):
+            result.append(out[k : k + len(r)] if full else out[k])
+            k += len(r)
+        return result
+
+    def _dense_layers(
+        self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
+    ) -> None:
+        for x, kv, p in zip(xs, kvs, pos0, strict=True):
+            self._dense_layer(i, x, kv, p)
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
         m = self.model
@@ -142,41 +219,59 @@ class Pipeline:
         x += out
 
     def _attention_and_route(
-        self, i: int, x: np.ndarray, kv: KVCache, pos0: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, list[int]] | None]:
-        """Attention, FFN input, routing of MoE layer i and the prediction for the next MoE
-        layer (one trip to the compute thread)."""
+        self,
+        i: int,
+        xs: list[np.ndarray],
+        kvs: list[KVCache],
+        pos0: list[int],
+        stacked: np.ndarray | None = None,
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, list[int]] | None]:
+        """Per sequence: attention, the FFN input h and the routing (ids int32 [n, k],
+        weights f32 [n, k]) of MoE layer i; and the union of what the next MoE layer's router
+        predicts (one trip to the compute thread). With `stacked` (fused batches: xs are
+        views into it), the attention is per sequence and the rest runs once over all rows:
+        one (h, ids, weights) entry for the whole batch."""
         m = self.model
-        m.attention(i, x, kv, pos0)
-        h = m.post_norm(i, x)
-        ids, weights = m.route(i, h)
-        predicted = None
+        nxt = None
         if self.prefetcher is not None and self.prefetcher.enabled:
             nxt = next((j for j in self._moe_layers if j > i), None)
+        if stacked is not None:
+            for x, kv, p in zip(xs, kvs, pos0, strict=True):
+                m.attention(i, x, kv, p)
+            h = m.post_norm(i, stacked)
+            predicted = None
+            if nxt is not None:
+                guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
+                predicted = (nxt, np.unique(guess).tolist())
+            return [(h, *m.route(i, h))], predicted
+        routed, guesses = [], []
+        for x, kv, p in zip(xs, kvs, pos0, strict=True):
+            m.attention(i, x, kv, p)
+            h = m.post_norm(i, x)
+            routed.append((h, *m.route(i, h)))
             if nxt is not None:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
-                p_ids, _ = m.route(nxt, m.post_norm(nxt, x))
-                predicted = (nxt, np.unique(p_ids).tolist())
-        return h, ids, weights, predicted
+                guesses.append(m.route(nxt, m.post_norm(nxt, x))[0].ravel())
+        predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
+        return routed, predicted
 
     async def _moe(
         self,
         i: int,
-        x: np.ndarray,
-        h: np.ndarray,
-        ids: np.ndarray,
-        weights: np.ndarray,
+        xs: list[np.ndarray],
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         experts: list[int],
     ) -> None:
-        """x += shared expert (if any) + sum of the routed experts' weighted outputs.
+        """x_s += shared expert (if any) + sum of the routed experts' weighted outputs, for
+        every sequence s of the batch (routed[s] = (h, ids, weights)).
 
         Records already in the cache are computed in the first trip to the compute thread,
-        together with the shared expert, while the misses are read; each later trip takes
-        every record that has arrived. Each expert writes its own slot of `slots`
-        (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
+        together with the shared experts, while the misses are read; each later trip takes
+        every record that has arrived. Each expert writes its own slot of the sequence's
+        `slots` (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
         """
-        slots = np.zeros((*ids.shape, h.shape[1]), dtype=np.float32)
+        slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
 
@@ -205,7 +300,7 @@ class Pipeline:
                 batch, ready = ready, []
                 try:
                     await self._run(
-                        self._expert_step, i, batch, x, h, ids, weights, slots, first, not pending
+                        self._expert_step, i, batch, xs, routed, slots, first, not pending
                     )
                     self.times.experts += len(batch)
                 finally:
@@ -228,23 +323,26 @@ class Pipeline:
         self,
         i: int,
         batch: list[tuple[int, Any]],
-        x: np.ndarray,
-        h: np.ndarray,
-        ids: np.ndarray,
-        weights: np.ndarray,
-        slots: np.ndarray,
+        xs: list[np.ndarray],
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        slots: list[np.ndarray],
         first: bool,
         last: bool,
     ) -> None:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
-        ((expert, lease) pairs) on their tokens, and (last trip) the residual sum."""
+        ((expert, lease) pairs) on each sequence's tokens routed to them, and (last trip)
+        the residual sums."""
         if first:
-            out = np.zeros_like(x)
-            self.model.dense_ffn(i, h, out)
-            x += out
+            for x, (h, _, _) in zip(xs, routed, strict=True):
+                out = np.zeros_like(x)
+                self.model.dense_ffn(i, h, out)
+                x += out
         for e, lease in batch:
-            tok, slot = np.nonzero(ids == e)
-            slots[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
+            for (h, ids, weights), sl in zip(routed, slots, strict=True):
+                tok, slot = np.nonzero(ids == e)
+                if len(tok):
+                    sl[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
         if last:
-            for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
-                x += slots[:, j]
+            for x, sl in zip(xs, slots, strict=True):
+                for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
+                    x += sl[:, j]

@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
+from colibri.errors import TokenizerError
+from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
+CHAT_PREFIX_CACHE = 512 << 20  # bytes of prompt KV `colibri chat` keeps between turns
 
 
 def parse_size(text: str) -> int:
@@ -28,7 +31,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    try:
+        return int(float(m.group(1)) * scale)
+    except ValueError:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)") from None
 
 
 def size_arg(text: str) -> int:
@@ -90,6 +96,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         choices=("f32", "f16"),
         default="f32",
         help="KV cache precision (default f32)",
+    )
+    g.add_argument(
+        "--batch",
+        choices=("split", "fused"),
+        default="split",
+        help="how concurrent sequences meet the kernels: split (default; per-sequence calls, "
+        "the tokens of a solo run) or fused (rows stacked and padded to 4: one weight pass "
+        "for all, tokens independent of the batch but not bit-equal to split's)",
     )
     g.add_argument(
         "--activations",
@@ -187,6 +201,7 @@ ENGINE_OPTIONS = (
     "kv_dtype",
     "activations",
     "trace",
+    "batch",
 )
 SAMPLING_OPTIONS = (
     "max_tokens",
@@ -331,7 +346,7 @@ def _say_backend(engine: Engine, requested: str) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     path = _model_path(args)
-    prompt: Any = args.prompt if args.prompt is not None else DEMO_PROMPT
+    prompt: Any = check_utf8(args.prompt, "--prompt") if args.prompt is not None else DEMO_PROMPT
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     opts, profile = engine_options(args, path)
@@ -353,7 +368,9 @@ async def _chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     loop = asyncio.get_running_loop()
+    # each turn resends the conversation: the prefix cache keeps the earlier turns' KV
     opts, profile = engine_options(args, _model_path(args))
+    opts = {**opts, "prefix_cache": CHAT_PREFIX_CACHE}
     async with open_engine(_model_path(args), **opts) as engine:
         _say_backend(engine, args.io)
         session = None
@@ -378,6 +395,11 @@ async def _chat(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 break
+            try:
+                check_utf8(line, "input line")
+            except TokenizerError as exc:
+                print(f"colibri: error: {exc}; line ignored", file=sys.stderr)
+                continue
             messages.append({"role": "user", "content": line})
             task = asyncio.ensure_future(
                 _print_stream(engine, messages, _sampling(args), profile=profile, session=session)

@@ -99,8 +99,9 @@ class Session:
                 break
             keep += 1
         keep = min(keep, len(ids) - 1)  # feed at least one token: its logits start the answer
-        self.seq.kv.length = keep
-        del self.seq.tokens[keep:]
+        if self.seq.kv.recurrent_state and keep < self.seq.length:
+            keep = 0  # a hybrid model's recurrent state cannot be cut back: start over
+        self.seq.truncate(keep)
         new = ids[keep:]
         sampler = Sampler(params)
         tok = eng.tokenizer
@@ -135,7 +136,7 @@ class Session:
                 break
             logits = await eng.forward(self.seq, [s.token_id])
         tail = ""
-        if finish != "stop" and decoder is not None:
+        if not stops.stopped and decoder is not None:  # held-back text ends EOS/length too
             tail, _ = stops.push(decoder.flush())
             tail += stops.flush()
         t_end = time.perf_counter()
@@ -157,14 +158,23 @@ class Session:
 
 
 def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
-    """(name, array) of the KV cache, each distinct array once (MLA layers share k and v)."""
+    """(name, array) of the KV cache, each distinct array once (MLA layers share k and v),
+    then the Gated DeltaNet layers' state (`.conv`, `.recurrent`: stored whole, see _part)."""
     out, seen = [], set()
     for i, (k, v) in enumerate(zip(seq.kv.k, seq.kv.v, strict=True)):
         for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
-            if id(a) not in seen:
+            if id(a) not in seen and a.shape[0]:
                 seen.add(id(a))
                 out.append((name, a))
+    for i, (c, r) in enumerate(zip(seq.kv.conv, seq.kv.recurrent, strict=False)):
+        out += [(f"{i}.{name}", a) for name, a in (("conv", c), ("recurrent", r)) if a is not None]
     return out
+
+
+def _part(name: str, a: np.ndarray, n: int) -> np.ndarray:
+    """The bytes of array `name` a session keeps: the first n positions of a key / value
+    array, a recurrent state whole."""
+    return a if name.endswith((".conv", ".recurrent")) else a[:n]
 
 
 def _config(engine: Engine) -> dict[str, Any]:
@@ -179,7 +189,7 @@ def save_session(engine: Engine, session: Session, path: str | os.PathLike[str])
         raise ColibriError(f"session: {len(seq.tokens)} tokens but {n} in the KV cache")
     parts, arrays, offset = [], [], 0
     for name, a in _arrays(seq):
-        part = np.ascontiguousarray(a[:n])
+        part = np.ascontiguousarray(_part(name, a, n))
         parts.append(part)
         arrays.append(
             {
@@ -287,18 +297,19 @@ def load_session(engine: Engine, path: str | os.PathLike[str]) -> Session:
         raise SessionError(
             f"{p}: KV arrays {[a['name'] for a in arrays][:4]}… do not match this model's layers"
         )
-    for meta, (name, dst) in zip(arrays, mine, strict=True):
-        want_shape = [n, *dst.shape[1:]]
+    for meta, (name, whole) in zip(arrays, mine, strict=True):
+        dst = _part(name, whole, n)
+        want_shape = list(dst.shape)
         if meta["dtype"] != dst.dtype.name or list(meta["shape"]) != want_shape:
             raise SessionError(
                 f"{p}: KV array {name} is {meta['dtype']} {meta['shape']}, this model needs "
                 f"{dst.dtype.name} {want_shape}"
             )
         begin, nbytes = int(meta["offset"]), int(meta["nbytes"])
-        if begin < 0 or begin + nbytes > payload_nbytes or nbytes != dst[:n].nbytes:
+        if begin < 0 or begin + nbytes > payload_nbytes or nbytes != dst.nbytes:
             raise SessionError(f"{p}: KV array {name} lies outside the payload")
-        src = np.frombuffer(payload, dtype=dst.dtype, count=dst[:n].size, offset=begin)
-        dst[:n] = src.reshape(dst[:n].shape)
+        src = np.frombuffer(payload, dtype=dst.dtype, count=dst.size, offset=begin)
+        dst[...] = src.reshape(dst.shape)
     seq.kv.length = n
     seq.tokens = tokens
     if any(t < 0 or t >= engine.spec.vocab_size for t in tokens):

@@ -18,8 +18,12 @@ Files read from a model store or checkpoint directory (docs/FORMAT.md):
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -28,13 +32,14 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
 from colibri.errors import TokenizerError
 
-__all__ = ["IncrementalDecoder", "StopChecker", "Tokenizer"]
+__all__ = ["IncrementalDecoder", "StopChecker", "Tokenizer", "check_utf8"]
 
 # Named special tokens, in transformers' SPECIAL_TOKENS_ATTRIBUTES order.
 _SPECIAL_NAMES = (
@@ -50,12 +55,29 @@ _SPECIAL_NAMES = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+def check_utf8(text: str, what: str) -> str:
+    """Return `text` if it is valid Unicode text (encodable as UTF-8), else raise
+    TokenizerError naming `what` and the first bad character: bytes that were not UTF-8 reach
+    Python as lone surrogates (argv and stdin decode with surrogateescape)."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        bad = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+        raise TokenizerError(
+            f"{what} is not valid UTF-8 text ({bad} at character {e.start})"
+        ) from None
+    return text
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise TokenizerError(f"{path}: cannot read JSON: {e}") from e
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -98,6 +120,12 @@ class Tokenizer:
         self.source = source
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.chat_templates = dict(chat_templates or {})
+        # {template name: the file it came from}, for error messages
+        self.template_files: dict[str, str] = {}
+        # bounds of one apply_chat_template() render: wall time (s) and output/value size
+        # (characters or items); past either it raises TokenizerError naming the file
+        self.template_seconds = TEMPLATE_SECONDS
+        self.template_max_chars = TEMPLATE_MAX_CHARS
         # transformers' _post_init: every named and extra special token becomes a special added
         # token (matched whole in text, dropped by skip_special_tokens); unknown ones get new ids.
         named = [
@@ -175,7 +203,10 @@ class Tokenizer:
             except (OSError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{jinja_file}: cannot read: {e}") from e
 
-        return cls(
+        files = {name: where for name in templates}
+        if jinja_file.is_file():
+            files["default"] = str(jinja_file)
+        tok = cls(
             backend,
             special_tokens=special,
             extra_special_tokens=[t for t in extra if t],
@@ -183,6 +214,8 @@ class Tokenizer:
             generation_config=_read_json(root / "generation_config.json"),
             source=str(root),
         )
+        tok.template_files = files
+        return tok
 
     def _id_from(self, configured: Any, token: str | None) -> int | None:
         if isinstance(configured, int):
@@ -221,6 +254,7 @@ class Tokenizer:
         matched as single tokens, as transformers does by default. Chat prompts rendered by
         `apply_chat_template` already carry their BOS: encode them with add_special_tokens=False.
         """
+        check_utf8(text, "text to encode")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -286,9 +320,18 @@ class Tokenizer:
         Raises:
             TokenizerError: no template, a template syntax error, or the template raised
                 (`raise_exception`, e.g. a role it does not support, or a Python error such as
-                a TypeError on an unexpected argument type); names the tokenizer directory.
+                a TypeError on an unexpected argument type), or rendering went past
+                `template_seconds` (default 10 s) or produced a value or output longer than
+                `template_max_chars` (16 Mi characters); names the template's file.
         """
         source = self.get_chat_template(chat_template, tools)
+        if chat_template is not None:
+            name = chat_template if chat_template in self.chat_templates else None
+        elif tools is not None and "tool_use" in self.chat_templates:
+            name = "tool_use"
+        else:
+            name = "default"
+        where = self.template_files.get(name, self.source) if name else self.source
         if not messages:
             raise TokenizerError("apply_chat_template: empty conversation")
         chat = []
@@ -303,17 +346,149 @@ class Tokenizer:
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise TokenizerError("apply_chat_template: tools must be JSON-schema dicts")
         variables = {**self.special_tokens, **template_kwargs}
+        limits = _LIMITS
+        limits.seconds, limits.max_chars = self.template_seconds, self.template_max_chars
+        limits.deadline = time.monotonic() + self.template_seconds
         try:
             template = _compile_template(source)
-            return template.render(
+            parts, size = [], 0
+            for part in template.generate(
                 messages=chat,
                 tools=None if tools is None else [dict(t) for t in tools],
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
-            )
+            ):
+                size += len(part)
+                if size > limits.max_chars:
+                    raise _TemplateLimit(f"output exceeds {limits.max_chars} characters")
+                _check_time()
+                parts.append(part)
+            return "".join(parts)
+        except _TemplateLimit as e:
+            raise TokenizerError(f"{where}: chat template stopped: {e}") from None
         except Exception as e:  # hub templates are code: TemplateError, TypeError, ...
-            raise TokenizerError(f"{self.source}: chat template: {type(e).__name__}: {e}") from e
+            raise TokenizerError(f"{where}: chat template: {type(e).__name__}: {e}") from e
+        finally:
+            limits.deadline = None
+
+
+# --- bounds on template rendering ---------------------------------------------------------
+# A template is code from the checkpoint: nested loops or doubling strings must not render for
+# ever or fill memory. Every loop over range(), call, filter, concatenation (~) and the
+# operators + * ** % check the render's deadline, and values or output longer than the
+# size bound are refused (for * and ** before they are computed).
+
+TEMPLATE_SECONDS = 10.0
+TEMPLATE_MAX_CHARS = 1 << 24  # 16 Mi characters (a 128k-token prompt is ~0.5 Mi)
+_LIMITS = threading.local()  # the deadline and bounds of the render running in this thread
+
+
+class _TemplateLimit(Exception):
+    """A chat template exceeded its time or size bound."""
+
+
+def _check_time() -> None:
+    deadline = getattr(_LIMITS, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise _TemplateLimit(f"rendering took longer than {_LIMITS.seconds:g} s")
+
+
+def _max_chars() -> int:
+    return getattr(_LIMITS, "max_chars", TEMPLATE_MAX_CHARS)
+
+
+def _check_size(value: Any) -> Any:
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > _max_chars():
+        raise _TemplateLimit(f"a value of {len(value)} items exceeds {_max_chars()}")
+    return value
+
+
+class _BoundedRange:
+    """range() for templates: at most jinja's sandbox MAX_RANGE items, and iteration checks
+    the render's deadline (nested loops multiply)."""
+
+    def __init__(self, *args: int) -> None:
+        self._range = jinja2.sandbox.safe_range(*args)
+
+    def __iter__(self) -> Iterator[int]:
+        for x in self._range:
+            _check_time()
+            yield x
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._range[i]
+
+    def __contains__(self, x: Any) -> bool:
+        return x in self._range
+
+    def __reversed__(self) -> Iterator[int]:
+        return iter(_BoundedList(reversed(self._range)))
+
+
+class _BoundedList:
+    def __init__(self, it: Iterable[Any]) -> None:
+        self._it = it
+
+    def __iter__(self) -> Iterator[Any]:
+        for x in self._it:
+            _check_time()
+            yield x
+
+
+def _bounded_filter(f: Any) -> Any:
+    @functools.wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        return _check_size(f(*args, **kwargs))
+
+    return bounded
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
+        self.write("environment.bounded_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with the bounds above."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def bounded_concat(self, values: Iterable[Any]) -> str:
+        _check_time()
+        values = [str(v) for v in values]
+        if sum(map(len, values)) > _max_chars():
+            raise _TemplateLimit(f"a string of more than {_max_chars()} characters (~)")
+        return "".join(values)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_time()
+        seq = (str, bytes, list, tuple)
+        if operator == "*":
+            n, s = (left, right) if isinstance(right, seq) else (right, left)
+            if isinstance(s, seq) and isinstance(n, int) and len(s) * n > _max_chars():
+                raise _TemplateLimit(f"a value of {len(s) * n} items exceeds {_max_chars()}")
+        big_power = isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+        if operator == "**" and big_power and right * math.log2(abs(left)) > 4096:
+            raise _TemplateLimit(f"{left} ** {right} is too large")
+        return _check_size(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        if isinstance(getattr(__obj, "__self__", None), str) and any(
+            isinstance(a, int) and a > _max_chars() for a in (*args, *kwargs.values())
+        ):  # "x".center(10**9), .ljust, .zfill ...: refused before allocating
+            raise _TemplateLimit(f"an argument above {_max_chars()} to {__obj.__name__}")
+        return _check_size(super().call(__context, __obj, *args, **kwargs))
 
 
 # --- jinja sandbox, as transformers/utils/chat_template_utils.py ----------------------------
@@ -383,12 +558,14 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {k: _bounded_filter(f) for k, f in env.filters.items()}
+    env.globals["range"] = _BoundedRange
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -408,7 +585,10 @@ class IncrementalDecoder:
     byte-level BPE pieces of a character). Decoding a window that starts at an earlier token keeps
     SentencePiece's leading "▁" of the new token (the decoder strips it only at a window's start).
     The deltas concatenated equal `decode(context + generated)[len(decode(context)):]` whenever
-    the context ends on a character boundary, and `decode(generated)` with no context.
+    the context ends on a character boundary, and `decode(generated)` with no context. A context
+    that ends inside a character (its text ends in U+FFFD for 1-3 unfinished bytes) counts
+    those bytes as not yet shown: the deltas equal `decode(context + generated)` past
+    `decode(context)` without that U+FFFD, so the character streams whole once completed.
 
     A truly invalid byte sequence after shown text comes out as U+FFFD per bad byte (Python's
     errors="replace"), where `decode` of the whole sequence would also rewrite the bytes before it.
@@ -438,6 +618,12 @@ class IncrementalDecoder:
         self._prefix = 0  # window start
         self._read = len(self._ids)  # end of the text already emitted
         self._prefix_text = self._decode(self._prefix, self._read)
+        # A context that ends inside a character (a generation cut at max_tokens mid-emoji,
+        # continued): its unfinished bytes (U+FFFD in its text, at most 3 bytes) count as not
+        # shown yet, so the character comes out whole once generated tokens complete it.
+        for _ in range(3):
+            if self._prefix_text.endswith("\ufffd"):
+                self._prefix_text = self._prefix_text[:-1]
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
@@ -484,16 +670,18 @@ class StopChecker:
         self.stop = tuple(stop)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Add streamed text; return (text to emit, whether a stop string was reached)."""
         if self.stopped:
             return "", True
         buf = self._held + delta
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.stopped, self._held = True, ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = 0
         for s in self.stop:  # longest suffix of buf that is a proper prefix of a stop string
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -107,3 +107,19 @@ int clb_attention(float *out, const float *q, const void *k_cache, const void *v
                   int kv_f16, int64_t n_q, int64_t n_kv, int64_t q_pos0, int64_t n_heads,
                   int64_t n_kv_heads, int64_t dk, int64_t dv, float scale, int64_t window,
                   const float *sinks, int nthreads);
+
+/* ---- gated delta rule (deltanet.c) ---------------------------------------------------------
+ * The recurrent form of Gated DeltaNet's linear attention (Yang et al., arXiv:2412.06464;
+ * transformers' torch_recurrent_gated_delta_rule), token by token, per value head h:
+ *   S_h = S_h * exp(g[t, h])                      S_h: [dk, dv], state of head h
+ *   u   = (v[t, h] - S_h^T k[t, hk]) * beta[t, h]
+ *   S_h = S_h + k[t, hk] u^T
+ *   out[t, h] = S_h^T q[t, hk]                    hk = h / (n_heads / n_k_heads)
+ * q, k: f32 [n, n_k_heads, dk] (already l2-normalised; q already scaled by dk^-0.5);
+ * v: f32 [n, n_heads, dv]; g (log decay), beta: f32 [n, n_heads];
+ * state: f32 [n_heads, dk, dv], read and updated in place; out: f32 [n, n_heads, dv].
+ * dv <= 1024. Heads run in parallel; results do not depend on nthreads. */
+int clb_gated_delta_rule(float *out, float *state, const float *q, const float *k,
+                         const float *v, const float *g, const float *beta, int64_t n,
+                         int64_t n_heads, int64_t n_k_heads, int64_t dk, int64_t dv,
+                         int nthreads);

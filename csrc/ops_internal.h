@@ -59,4 +59,18 @@ OPS_DECLARE(ref)
 OPS_DECLARE(avx2)
 OPS_DECLARE(avx512)
 
+/* Gated delta rule on one value head over n tokens (deltanet.c, arch/deltanet_simd.inc): see
+ * clb_gated_delta_rule; q, k point at the head's key head in token 0 (stride kstride floats
+ * between tokens), v, out at the value head (stride vstride), g, beta at the head (stride
+ * gstride); s is the head's [dk, dv] state. */
+#define OPS_GDR_MAX_DV 1024
+#define OPS_GDR_DECLARE(sfx)                                                                 \
+    void ops_gdr_head_##sfx(float *out, float *s, const float *q, const float *k,           \
+                            const float *v, const float *g, const float *beta, int64_t n,    \
+                            int64_t dk, int64_t dv, int64_t kstride, int64_t vstride,        \
+                            int64_t gstride);
+OPS_GDR_DECLARE(ref)
+OPS_GDR_DECLARE(avx2)
+OPS_GDR_DECLARE(avx512)
+
 #endif

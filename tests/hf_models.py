@@ -7,6 +7,7 @@ routing tie, so tests can skip prompts whose expert choice is numerically ambigu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +47,42 @@ BASE_CASES: tuple[str, ...] = tuple(t for t in registry.SUPPORTED if t in CASES)
 def config(case: str, **overrides: Any) -> Any:
     """The transformers config of test case `case` (COMMON + its overrides + `overrides`)."""
     model_type, extra = CASES[case]
-    return transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
+    kw = {**COMMON, **extra, **overrides}
+    n, types = kw.get("num_hidden_layers"), kw.get("layer_types")
+    if types is not None and len(types) != n:  # the depth was overridden: repeat the pattern
+        kw["layer_types"] = [types[i % len(types)] for i in range(n)]
+    if registry.family(model_type).text_model_type is not None:
+        # multimodal: the language model under text_config, the case's tiny vision tower
+        vision = kw.pop("vision_config", None)
+        return transformers.AutoConfig.for_model(
+            model_type,
+            text_config=kw,
+            vision_config=vision,
+            tie_word_embeddings=kw.get("tie_word_embeddings"),
+        )
+    return transformers.AutoConfig.for_model(model_type, **kw)
+
+
+def auto_class(case: str) -> Any:
+    """The transformers Auto class that builds test case `case`: the image-text-to-text
+    model for multimodal families (its checkpoint has the vision tower), else causal LM."""
+    if registry.family(CASES[case][0]).text_model_type is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def build(model_type: str, seed: int = 0) -> Any:
     """A tiny random *ForCausalLM of test case `model_type` (a CASES name) in f32 eval
-    mode, norms and biases perturbed; DeepSeek/GLM `e_score_correction_bias` (0 by default)
-    and gpt-oss attention sinks are randomised too."""
+    mode, norms (around their init) and biases perturbed; DeepSeek/GLM
+    `e_score_correction_bias` (0 by default) and gpt-oss attention sinks are randomised too."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(model_type)).float().eval()
+    model = auto_class(model_type).from_config(config(model_type)).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                # around the init: 1, or 0 for zero-centred (1 + w) norms (Qwen3-Next)
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("sinks"):
@@ -160,7 +183,10 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     return min([*gaps, float((top2[:, 0] - top2[:, 1]).min())])
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout; COLIBRI_SHARED_DATA overrides (a git worktree elsewhere)
+SHARED = Path(
+    os.environ.get("COLIBRI_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
 OLMOE_TOKENIZER = SHARED / "tokenizers" / "olmoe" / "allenai_gpt-neox-olmo-dolma-v1_5.json"
 
 
@@ -174,7 +200,7 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
     torch.manual_seed(seed)
     cfg = config(model_type, vocab_size=50304)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model = auto_class(model_type).from_config(cfg).float().eval()
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_bytes(OLMOE_TOKENIZER.read_bytes())
     template = (
@@ -194,7 +220,7 @@ def find_prompt(model: Any, seed: int, prompt_len: int, new_tokens: int, min_gap
     routing cut or argmax gap below min_gap (8 tries), else None."""
     rng = np.random.default_rng(seed)
     for _ in range(8):
-        ids = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
+        ids = rng.integers(0, model.config.get_text_config().vocab_size, prompt_len).tolist()
         if choice_gap(model, ids + greedy(model, ids, new_tokens)) > min_gap:
             return ids
     return None

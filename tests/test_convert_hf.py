@@ -21,12 +21,13 @@ def tiny_config(arch: str):
 def make_model(arch: str, seed: int = 0):
     """A tiny random bf16 model of `arch` with non-trivial values in every parameter."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from tests import hf_models
 
     torch.set_num_threads(1)
     cfg = tiny_config(arch)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = hf_models.auto_class(arch).from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():  # norms/biases init to constants: make them random too
             p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.5)
@@ -74,6 +75,20 @@ def source_tensors(path) -> dict[str, np.ndarray]:
     for f in sorted(path.glob("*.safetensors")):
         out.update({k: v.float().numpy() for k, v in load_file(f).items()})
     return out
+
+
+def text_part(arch: str, tensors: dict) -> dict:
+    """A multimodal family's language-model tensors under their stored names (the converter's
+    Family.text_prefixes renaming; the vision tower dropped); other families' unchanged."""
+    prefixes = registry.family(arch).text_prefixes
+    if not prefixes:
+        return tensors
+    return {
+        dst + name[len(src) :]: x
+        for name, x in tensors.items()
+        for src, dst in prefixes
+        if name.startswith(src)
+    }
 
 
 def reference_experts(model, arch: str, orig: dict[str, np.ndarray]):
@@ -133,7 +148,7 @@ def test_convert_all_layouts_match_reference(tiny, tmp_path):
     three layouts; every dense tensor equals its source (f32: exactly; q8_0: gguf's bytes)."""
     arch, model, dirs = tiny
     assert (dirs["sharded"] / "model.safetensors.index.json").is_file()
-    orig = source_tensors(dirs["original"])
+    orig = text_part(arch, source_tensors(dirs["original"]))
     ref = reference_experts(model, arch, orig)
     stores = []
     for layout, src in dirs.items():
@@ -207,12 +222,16 @@ def test_inspect_counts_match_transformers(tiny, tmp_path, capsys):
     d = describe(store)
     # num_parameters() plus persistent buffers (DeepSeek-V3/GLM's e_score_correction_bias)
     buffers = sum(b.numel() for n, b in model.named_buffers() if n in model.state_dict())
-    assert d["params_total"] == model.num_parameters() + buffers
+    total = model.num_parameters() + buffers
+    if registry.family(arch).text_prefixes:  # multimodal: the language model's parameters
+        total = sum(int(np.prod(x.shape)) for x in text_part(arch, model.state_dict()).values())
+    assert d["params_total"] == total
     per_expert = sum(int(np.prod(t.shape)) for t in store.layout.tensors.values())
     dense = d["params_total"] - len(store.records) * per_expert
-    k = model.config.num_experts_per_tok
+    text = model.config.get_text_config()
+    k = text.num_experts_per_tok
     assert d["params_active"] == dense + len(store.moe_layers) * k * per_expert
-    num_experts = getattr(model.config, registry.family(arch).num_experts_key)
+    num_experts = getattr(text, registry.family(arch).num_experts_key)
     assert (d["experts"], d["top_k"], d["architecture"]) == (num_experts, k, arch)
     assert main(["inspect", str(store.path), "--verify"]) == 0
     assert f"all {len(store.records)} records verified" in capsys.readouterr().out

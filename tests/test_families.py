@@ -174,12 +174,19 @@ def test_dense_tensors_are_the_checkpoints(case, overrides):
     fam = registry.family(model_type)
     config = hf_models.config(case, **overrides)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = hf_models.auto_class(case).from_config(config)
     want = {
         fam.rename(name): tuple(t.shape)
         for name, t in model.state_dict().items()
         if ".experts." not in name
     }
+    if fam.text_prefixes:  # multimodal: the language model's tensors, renamed
+        want = {
+            dst + name[len(src) :]: shape
+            for name, shape in want.items()
+            for src, dst in fam.text_prefixes
+            if name.startswith(src)
+        }
     if config.tie_word_embeddings:
         want.pop("lm_head.weight", None)
     assert dense_tensors(registry.model_spec(config.to_dict())) == want

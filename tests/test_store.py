@@ -60,7 +60,8 @@ def make_store(path, *, biases=False, seed=0):
                     buf[t.offset : t.offset + t.nbytes] = parts[k]
                 records[(layer, e)] = bytes(buf)
         w.add_file("tokenizer.json", b"{}")
-        w.finish("qwen3_moe", {"num_hidden_layers": 3, "num_experts_per_tok": 2}, {"kind": "t"})
+        cfg = {"num_hidden_layers": 3, "hidden_size": D_MODEL, "num_attention_heads": 4}
+        w.finish("qwen3_moe", cfg | {"num_experts_per_tok": 2}, {"kind": "t"})
     dense = {
         "model.embed_tokens.weight": q8,
         "model.layers.1.mlp.gate.weight": f32,

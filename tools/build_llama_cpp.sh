@@ -5,7 +5,8 @@
 #   tools/build_llama_cpp.sh            # build (or reuse) ~/.cache/colibri/llama.cpp-<version>/
 #   tools/build_llama_cpp.sh --print    # print the bin directory if a build is cached, else exit 1
 #
-# Result: $PREFIX/bin/{llama-bench,llama-completion,llama-quantize,llama-debug,llama-perplexity}
+# Result: $PREFIX/bin/{llama-bench,llama-completion,llama-quantize,llama-debug,llama-perplexity,
+# llama-server}
 # (llama-perplexity: the quality section's PPL beside colibri eval's; llama-debug
 # --save-logits writes the last token's logits, used by the same-weights check), and
 # $PREFIX/src (the vendored llama.cpp tree, with its convert_hf_to_gguf.py and gguf-py).
@@ -22,7 +23,7 @@ main() {
   PREFIX="$CACHE/llama.cpp-$VERSION"
   JOBS="${JOBS:-2}"
   NICE="${NICE:-19}"
-  TARGETS=(llama-bench llama-completion llama-quantize llama-debug llama-perplexity)
+  TARGETS=(llama-bench llama-completion llama-quantize llama-debug llama-perplexity llama-server)
   REPO="$(cd "$(dirname "$0")/.." && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   [[ -x "$PYTHON" ]] || PYTHON=python3
@@ -65,7 +66,7 @@ main() {
   echo "configuring (CPU only, static, Release, native ISA)"
   nice -n "$NICE" cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_USE_PREBUILT_UI=OFF >"$work/configure.log"
   echo "building ${TARGETS[*]} with -j$JOBS (several minutes)"
   start=$(date +%s)

@@ -116,7 +116,42 @@ MODELS: dict[str, dict[str, Any]] = {
         },
         "vision_config": {"model_type": "llama4_vision_model"},
     },
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+        "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "attention_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    # Qwen3.5-397B-A17B: multimodal; the language model is text_config (the vision tower is
+    # not part of a store). 15 x (3 Gated DeltaNet + 1 gated attention) layers, all MoE.
+    "qwen3.5-397b-a17b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False, "image_token_id": 248056, "video_token_id": 248057,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 4096,
+            "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 2,
+            "head_dim": 256, "full_attention_interval": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],  # x 15, see below
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 64, "num_experts": 512, "num_experts_per_tok": 10,
+            "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+            "hidden_act": "silu", "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+            "attention_bias": False, "tie_word_embeddings": False, "eos_token_id": 248044,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                "mrope_interleaved": True},
+        },
+    },
 }  # fmt: skip
+MODELS["qwen3.5-397b-a17b"]["text_config"]["layer_types"] *= 15
 # model -> [(file in TOKENIZERS, name in the store)]; .xz is decompressed, .model converted
 TOKENIZER_SOURCES = {
     "mixtral-8x7b": [("mixtral_mistral/tokenizer.model.v1", "tokenizer.json")],
@@ -125,6 +160,16 @@ TOKENIZER_SOURCES = {
         ("qwen/qwen3_tokenizer_config.json", "tokenizer_config.json"),
     ],
     "olmoe-1b-7b": [("olmoe/allenai_gpt-neox-olmo-dolma-v1_5.json", "tokenizer.json")],
+    # Qwen3-Next ships the Qwen3 tokenizer; Qwen3.5's own (248k ids) is not in shared data, so
+    # its synthetic store gets the Qwen3 one (ids < 151669, all inside its vocabulary)
+    "qwen3-next-80b-a3b": [
+        ("qwen/qwen3_tokenizer.json.xz", "tokenizer.json"),
+        ("qwen/qwen3_tokenizer_config.json", "tokenizer_config.json"),
+    ],
+    "qwen3.5-397b-a17b": [
+        ("qwen/qwen3_tokenizer.json.xz", "tokenizer.json"),
+        ("qwen/qwen3_tokenizer_config.json", "tokenizer_config.json"),
+    ],
     "deepseek-v3": [
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
@@ -139,12 +184,14 @@ TOKENIZER_SOURCES = {
 def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> dict[str, Any]:
     """The HF config of `model`, with `layers` layers and the routed experts scaled by
     `scale` (at least top-k experts, a multiple of n_group for DeepSeek)."""
-    out = json.loads(json.dumps(MODELS[model]))
-    cfg = out.get("text_config", out)  # multimodal (llama4): the language model's part
+    outer = json.loads(json.dumps(MODELS[model]))
+    fam = registry.family(outer["model_type"])
+    cfg = outer["text_config"] if fam.text_model_type else outer  # multimodal: the LM part
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+        if "layer_types" in cfg:  # hybrids keep their pattern's first `layers` layers
+            cfg["layer_types"] = cfg["layer_types"][:layers]
     if scale != 1.0:
-        fam = registry.family(out["model_type"])
         keys = [
             fam.num_experts_key,
             *(a for a, k in fam.aliases.items() if k == fam.num_experts_key),
@@ -153,7 +200,7 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
         mult = cfg.get("n_group", 1)
         n = max(cfg["num_experts_per_tok"], round(cfg[key] * scale / mult) * mult)
         cfg[key] = max(n, mult)
-    return out
+    return outer
 
 
 def expert_shape(cfg: dict[str, Any]) -> tuple[int, int, list[int]]:

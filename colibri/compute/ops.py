@@ -639,3 +639,73 @@ def attention(
     if rc:
         _check(rc, f"attention(q={q.shape}, k_cache={k_cache.shape}, n_kv={n_kv})")
     return out
+
+
+def gated_delta_rule(
+    out: np.ndarray,
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """The gated delta rule, recurrent form, over n tokens (Gated DeltaNet, arXiv:2412.06464;
+    transformers' torch_recurrent_gated_delta_rule): per value head h and token t,
+    S_h *= exp(g[t, h]); S_h += k (beta (v - S_h^T k))^T; out[t, h] = S_h^T q, with key head
+    h // (n_heads // n_k_heads).
+
+    q, k: float32 [n, n_k_heads, dk], l2-normalised, q already scaled by dk**-0.5;
+    v: float32 [n, n_heads, dv] (dv <= 1024); g (log decay, <= 0), beta: float32 [n, n_heads];
+    state: float32 [n_heads, dk, dv], updated in place; out: float32 [n, n_heads, dv].
+    Runs on nthreads threads (<= 0: default_threads()) split by head. Returns out.
+    Raises KernelError on inconsistent shapes or dtypes.
+    """
+    _arr(q, "gated_delta_rule: q", ndim=3)
+    _arr(k, "gated_delta_rule: k", ndim=3)
+    _arr(v, "gated_delta_rule: v", ndim=3)
+    _arr(g, "gated_delta_rule: g", ndim=2)
+    _arr(beta, "gated_delta_rule: beta", ndim=2)
+    _arr(state, "gated_delta_rule: state", ndim=3, writable=True)
+    _arr(out, "gated_delta_rule: out", ndim=3, writable=True)
+    n, n_k_heads, dk = q.shape
+    n_heads, dv = v.shape[1:]
+    if k.shape != q.shape:
+        raise KernelError(f"gated_delta_rule: k has shape {k.shape}, q has {q.shape}")
+    if v.shape[0] != n or out.shape != v.shape:
+        raise KernelError(
+            f"gated_delta_rule: v {v.shape} and out {out.shape} must be [{n}, n_heads, dv]"
+        )
+    if g.shape != (n, n_heads) or beta.shape != (n, n_heads):
+        raise KernelError(
+            f"gated_delta_rule: g {g.shape} and beta {beta.shape} must be {(n, n_heads)}"
+        )
+    if state.shape != (n_heads, dk, dv):
+        raise KernelError(
+            f"gated_delta_rule: state has shape {state.shape}, expected {(n_heads, dk, dv)}"
+        )
+    if n_heads % n_k_heads:
+        raise KernelError(
+            f"gated_delta_rule: {n_heads} value heads is not a multiple of {n_k_heads} key heads"
+        )
+    if dv > 1024:
+        raise KernelError(f"gated_delta_rule: dv={dv} > 1024")
+    rc = lib.clb_gated_delta_rule(
+        _ptr(out, "float *"),
+        _ptr(state, "float *"),
+        _ptr(q, "float *"),
+        _ptr(k, "float *"),
+        _ptr(v, "float *"),
+        _ptr(g, "float *"),
+        _ptr(beta, "float *"),
+        n,
+        n_heads,
+        n_k_heads,
+        dk,
+        dv,
+        nthreads,
+    )
+    if rc:
+        _check(rc, f"gated_delta_rule(q={q.shape}, v={v.shape})")
+    return out

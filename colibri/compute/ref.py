@@ -167,3 +167,26 @@ def attention(
     if sinks is not None:
         p = p[..., :-1]
     return np.einsum("hqk,khd->qhd", p, v).astype(np.float32)
+
+
+# ---- Gated DeltaNet
+
+
+def gated_delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token in float64 (oracle of ops.gated_delta_rule):
+    q, k [n, n_k_heads, dk], v [n, n_heads, dv], g, beta [n, n_heads], state
+    [n_heads, dk, dv]. Returns (out [n, n_heads, dv], final state), both float64."""
+    n, hk, _ = q.shape
+    hv = v.shape[1]
+    s = state.astype(np.float64).copy()
+    out = np.zeros(v.shape, dtype=np.float64)
+    for t in range(n):
+        for h in range(hv):
+            kt, qt = k[t, h // (hv // hk)].astype(np.float64), q[t, h // (hv // hk)]
+            s[h] *= np.exp(np.float64(g[t, h]))
+            u = (v[t, h] - s[h].T @ kt) * beta[t, h]
+            s[h] += np.outer(kt, u)
+            out[t, h] = s[h].T @ qt.astype(np.float64)
+    return out, s

@@ -26,6 +26,7 @@ import numpy as np
 
 from colibri.convert import dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
+from colibri.io.config import ConfigError, check_config
 from colibri.io.format import ExpertLayout, StoreWriter
 from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
@@ -171,7 +172,15 @@ def convert_gguf(
         reader = GGUFReader(src)
     except Exception as exc:  # the reader raises ValueError/KeyError/... on bad files
         raise ConversionError(f"{src}: cannot read GGUF (truncated or malformed): {exc}") from None
-    model_type, cfg = gguf_config(reader, src)
+    try:
+        model_type, cfg = gguf_config(reader, src)
+    except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as exc:
+        msg = f"{src}: malformed GGUF metadata: {type(exc).__name__}: {exc}"
+        raise ConversionError(msg) from None
+    try:
+        check_config(cfg, f"{src}: metadata (as config.json)")
+    except ConfigError as exc:
+        raise ConversionError(str(exc)) from None
     fam = GGUF_ARCHS[_field(reader, "general.architecture")]
     try:
         spec = model_spec(cfg)
@@ -198,7 +207,7 @@ def convert_gguf(
             dense.append((hf_of[t.name], t))
         else:
             raise ConversionError(f"{src}: unexpected tensor {t.name}")
-    if sorted(experts) != list(range(n)):
+    if len(experts) != n or sorted(experts) != list(range(n)):
         raise ConversionError(
             f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
         )

@@ -33,6 +33,7 @@ import numpy as np
 
 from colibri.convert import TOKENIZER_FILES, dense_qtype, progress, quantize
 from colibri.errors import ConversionError, StoreError
+from colibri.io.config import ConfigError, check_config, text_view
 from colibri.io.format import ExpertLayout, StoreWriter, read_safetensors_header
 from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
@@ -76,8 +77,15 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise ConversionError(f"{index}: malformed ({exc})") from None
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: weight_map is not an object")
+            for name, fname in weight_map.items():
+                if not isinstance(fname, str) or not fname or "/" in fname or fname == "..":
+                    raise ConversionError(
+                        f"{index}: weight_map[{name!r}] is {fname!r}, not a file name in {src}"
+                    )
             files = sorted(set(weight_map.values()))
         elif (src / "model.safetensors").is_file():
             weight_map, files = {}, ["model.safetensors"]
@@ -366,21 +374,41 @@ def convert_hf(
         raise ConversionError(f"{src}: no config.json (not a Hugging Face checkpoint)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConversionError(f"{cfg_path}: not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
-        raise ConversionError(f"{cfg_path}: not a JSON object")
+        raise ConversionError(f"{cfg_path}: is a JSON {type(cfg).__name__}, not an object")
     try:
         fam = family(cfg.get("model_type"))
+    except StoreError as exc:
+        raise ConversionError(f"{cfg_path}: {exc}") from None
+    try:
+        check_config(cfg, cfg_path)
+    except ConfigError as exc:
+        raise ConversionError(str(exc)) from None
+    ck = Checkpoint(src)
+    names = text_names(ck, fam)
+    n_layers = text_view(cfg)["num_hidden_layers"]
+    top = max((_layer_of(n) for n in names.values()), default=-1)
+    if n_layers > top + 1:  # before anything is sized from it
+        raise ConversionError(
+            f"{cfg_path}: field 'num_hidden_layers' is {n_layers}, but the "
+            f"checkpoint's tensors cover {top + 1} layers"
+        )
+    try:  # every field the family reads, as the engine will read it
         spec = model_spec(cfg)
     except StoreError as exc:
         raise ConversionError(f"{cfg_path}: {exc}") from None
     model_type = fam.model_type
-    ck = Checkpoint(src)
-    names = text_names(ck, fam)
     experts, used, E, H, I = plan_experts(ck, fam, spec, names)  # noqa: E741
     dense = plan_dense(ck, fam, spec, fam.resolve_config(cfg), names, used, dense_quant)
-    layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
+    try:
+        layout = ExpertLayout.build(quant, H, I, biases=fam.experts.biases)
+    except StoreError as exc:  # block formats need columns (d_model, d_ff) in 32s
+        raise ConversionError(
+            f"{src}: experts of hidden_size {H} x d_ff {I} cannot be stored as --quant {quant}: "
+            f"{exc}; use f16, bf16 or f32"
+        ) from None
     total = sum(ck.nbytes(n) for n in ck.meta)
     bar = progress(total, f"convert {src.name}") if show_progress else None
     try:

@@ -152,9 +152,10 @@ async def score_requests(
     seq = engine.new_sequence(n_ctx=max(1, need))
     try:
         last = await _feed(engine, seq, first[:shared], False, counters) if shared else None
+        snap = seq.snapshot()  # the shared context, restored before each choice
         out = []
         for (ctx, _), s in zip(requests, seqs, strict=True):
-            seq.truncate(shared)
+            seq.restore(snap)
             rows = await _feed(engine, seq, s[shared:-1], True, counters)
             offset = 0
             if last is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 import xxhash
 
 from colibri.errors import StoreError
+from colibri.io.config import ConfigError, check_config, num_experts, text_view
 
 FORMAT_NAME = "colibri-store"
 FORMAT_VERSION = 1
@@ -38,12 +40,14 @@ QTYPES: dict[str, tuple[int, int]] = {
 }
 BLOCK_QTYPES = ("q4_0", "q4_1", "q8_0")
 EXPERT_TENSORS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_HEX64 = re.compile(r"[0-9a-fA-F]{16}")
 
 
 def row_nbytes(qtype: str, ncols: int) -> int:
     """Bytes of one row of `ncols` weights in `qtype`. Raises StoreError for an unknown qtype
     or a block format whose `ncols` is not a multiple of the block size (32)."""
-    if qtype not in QTYPES:
+    if not isinstance(qtype, str) or qtype not in QTYPES:
         raise StoreError(f"unknown qtype {qtype!r} (valid: {', '.join(QTYPES)})")
     block, nbytes = QTYPES[qtype]
     if ncols % block:
@@ -150,11 +154,21 @@ class ExpertLayout:
         }
 
 
+# bytes per element of every safetensors dtype (the format's own list)
+_ST_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """Parse a safetensors header: returns ({name: {dtype, shape, data_offsets}}, data start).
 
-    Raises StoreError naming the file if the header is cut short or not JSON, or if a
-    tensor's data lies beyond the end of the file."""
+    Checks what the `safetensors` library checks before trusting a file: the header is a JSON
+    object of tensor entries, each with a known dtype, a shape of non-negative ints and
+    `data_offsets` [begin, end] spanning exactly shape x itemsize bytes; no two tensors'
+    bytes overlap; none lies beyond the end of the file. Raises StoreError naming the file
+    and tensor otherwise."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -165,23 +179,79 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raise StoreError(f"{path}: truncated safetensors file (header of {hlen} bytes)")
         try:
             header = json.loads(f.read(hlen))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise StoreError(f"{path}: safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise StoreError(f"{path}: safetensors header is a {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     start = 8 + hlen
+    spans = []
     for name, info in header.items():
-        end = start + int(info["data_offsets"][1])
+        w = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise StoreError(f"{w}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
+            raise StoreError(f"{w}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+            raise StoreError(f"{w}: shape {shape!r} is not a list of non-negative integers")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(x) for x in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise StoreError(f"{w}: data_offsets {offsets!r} is not [begin, end] with begin <= end")
+        want = int(np.prod(shape, dtype=object)) * _ST_ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != want:
+            raise StoreError(
+                f"{w}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
+                f"{dtype} {shape} needs {want}"
+            )
+        end = start + offsets[1]
         if end > size:
             raise StoreError(
                 f"{path}: truncated: tensor {name!r} ends at byte {end}, file has {size}"
             )
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in itertools.pairwise(s for s in spans if s[0] != s[1]):
+        if begin < end:
+            raise StoreError(f"{path}: tensors {a!r} and {b!r} overlap (data_offsets)")
     return header, start
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _need(d: dict[str, Any], key: str, where: str) -> Any:
     if key not in d:
         raise StoreError(f"{where}: missing field {key!r}")
     return d[key]
+
+
+def _field(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise StoreError(f"{where}: missing or malformed field {key!r}")
+    return d[key]
+
+
+def _int_field(d: dict[str, Any], key: str, where: str) -> int:
+    value = _field(d, key, where)
+    if not _is_int(value):
+        raise StoreError(
+            f"{where}: missing or malformed field {key!r}: {value!r} is not an integer"
+        )
+    return value
+
+
+def _file_name(manifest: dict[str, Any], key: str, default: str | None, mpath: Path) -> str:
+    """A file name field: a plain name inside the store directory."""
+    name = manifest.get(key, default) if default is not None else _need(manifest, key, str(mpath))
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise StoreError(f"{mpath}: field {key!r} is {name!r}, not a file name in the store")
+    return name
 
 
 class Store:
@@ -197,16 +267,25 @@ class Store:
         self.manifest = manifest
         mpath = path / MANIFEST
         self.config: dict[str, Any] = _need(manifest, "config", f"{mpath}")
+        try:
+            check_config(self.config, f"{mpath}: config")
+        except ConfigError as exc:
+            raise StoreError(str(exc)) from None
         self.model_type: str = _need(manifest, "model_type", f"{mpath}")
+        if not isinstance(self.model_type, str):
+            raise StoreError(f"{mpath}: field 'model_type' is not a string")
         self.layout = _parse_layout(_need(manifest, "expert_layout", f"{mpath}"), mpath)
-        self.experts_path = path / _need(manifest, "experts_file", f"{mpath}")
-        self.dense_path = path / manifest.get("dense_file", "dense.safetensors")
+        self.experts_path = path / _file_name(manifest, "experts_file", None, mpath)
+        self.dense_path = path / _file_name(manifest, "dense_file", "dense.safetensors", mpath)
         self._dense_meta: dict[str, Any] = _need(manifest, "dense", f"{mpath}")
+        if not isinstance(self._dense_meta, dict):
+            raise StoreError(f"{mpath}: field 'dense' is not an object")
         self.records: list[ExpertRecord] = _parse_records(manifest, self.layout, mpath)
         self._index = {(r.layer, r.expert): r for r in self.records}
         self.moe_layers: list[int] = sorted({r.layer for r in self.records})
         self.num_experts: int = 1 + max((r.expert for r in self.records), default=-1)
         self._check_complete(mpath)
+        self._check_config_agrees(mpath)
         self._check_experts_file()
         self._dense_header, self._dense_start = self._check_dense_file()
 
@@ -219,8 +298,54 @@ class Store:
                 missing = sorted(set(range(self.num_experts)) - have)
                 raise StoreError(f"{mpath}: experts: layer {layer} lacks experts {missing[:8]}")
 
+    def _check_config_agrees(self, mpath: Path) -> None:
+        """The config's layer, expert and width figures against the records, the layout and
+        the dense tensors' names (every layer 0..num_hidden_layers-1 has dense tensors)."""
+        cfg, where = text_view(self.config), f"{mpath}: config"
+        n_layers = cfg["num_hidden_layers"]
+        dense_layers = set()
+        for name in self._dense_meta:
+            m = _LAYER_NAME.match(name)
+            if m:
+                dense_layers.add(int(m.group(1)))
+        if self.moe_layers and self.moe_layers[-1] >= n_layers:
+            raise StoreError(
+                f"{where}: field 'num_hidden_layers' is {n_layers}, but experts exist for "
+                f"layer {self.moe_layers[-1]}"
+            )
+        if dense_layers and max(dense_layers) >= n_layers:
+            raise StoreError(
+                f"{where}: field 'num_hidden_layers' is {n_layers}, but dense tensors exist "
+                f"for layer {max(dense_layers)}"
+            )
+        top = max(dense_layers | set(self.moe_layers), default=n_layers - 1)
+        if top + 1 != n_layers:
+            raise StoreError(
+                f"{where}: field 'num_hidden_layers' is {n_layers}, but the store's tensors "
+                f"stop at layer {top}"
+            )
+        n_exp = num_experts(cfg)
+        if self.records and n_exp is not None and n_exp != self.num_experts:
+            raise StoreError(
+                f"{where}: routed-expert count is {n_exp}, the records hold {self.num_experts} "
+                "experts per layer"
+            )
+        top_k = cfg.get("num_experts_per_tok")
+        if self.records and top_k is not None and top_k > self.num_experts:
+            raise StoreError(
+                f"{where}: field 'num_experts_per_tok' is {top_k}, more than the "
+                f"{self.num_experts} experts per layer"
+            )
+        if cfg["hidden_size"] != self.layout.d_model:
+            raise StoreError(
+                f"{where}: field 'hidden_size' is {cfg['hidden_size']}, expert_layout.d_model "
+                f"is {self.layout.d_model}"
+            )
+
     def _check_experts_file(self) -> None:
-        want = int(self.manifest.get("experts_nbytes", -1))
+        want = self.manifest.get("experts_nbytes", -1)
+        if not _is_int(want):
+            raise StoreError(f"{self.path / MANIFEST}: field 'experts_nbytes' is not an integer")
         if not self.experts_path.is_file():
             raise StoreError(f"{self.experts_path}: experts file missing")
         size = self.experts_path.stat().st_size
@@ -245,9 +370,17 @@ class Store:
                 f"missing {missing[:5]}, unexpected {extra[:5]}"
             )
         for name, m in meta.items():
-            qtype, shape = m.get("qtype"), list(m.get("shape", []))
-            if qtype not in QTYPES:
-                raise StoreError(f"{self.path / MANIFEST}: dense.{name}.qtype {qtype!r} unknown")
+            w = f"{self.path / MANIFEST}: dense.{name}"
+            if not isinstance(m, dict):
+                raise StoreError(f"{w}: not an object")
+            qtype, shape = m.get("qtype"), m.get("shape")
+            if not isinstance(qtype, str) or qtype not in QTYPES:
+                raise StoreError(f"{w}.qtype {qtype!r} unknown")
+            if not (isinstance(shape, list) and shape and all(_is_int(x) and x > 0 for x in shape)):
+                raise StoreError(f"{w}.shape {shape!r} is not a list of positive integers")
+            xxh3 = m.get("xxh3")
+            if xxh3 is not None and not (isinstance(xxh3, str) and _HEX64.fullmatch(xxh3)):
+                raise StoreError(f"{w}.xxh3 {xxh3!r} is not 16 hex digits")
             h = header[name]
             want_dtype, want_shape = dense_dtype_shape(qtype, shape)
             if h["dtype"] != want_dtype or list(h["shape"]) != want_shape:
@@ -273,12 +406,18 @@ class Store:
     def dense_qtype(self, name: str) -> str:
         return self._dense_meta[name]["qtype"]
 
-    def dense(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
-        """Load dense tensor `name` (read on demand from dense.safetensors, not mapped).
+    def dense(
+        self, name: str, *, widen: bool = True, verify: bool = True
+    ) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        """Load dense tensor `name` (one pread from dense.safetensors, not mapped).
 
         Returns (array, qtype, logical shape): for q4_0/q4_1/q8_0 the array is uint8
-        [rows, row_nbytes] (the GGML blocks); for f32/f16/bf16 it is float32 in the logical
-        shape (f16/bf16 widened exactly). KeyError for an unknown name."""
+        [rows, row_nbytes] (the GGML blocks); for f32 float32; for f16/bf16 float32 widened
+        exactly, or with `widen=False` the stored elements (float16, or uint16 bf16 bits).
+        With `verify` (default) the bytes are checked against the manifest's xxh3 when the
+        store has one (stores written since dense checksums exist), at XXH3's speed (tens
+        of GB/s), so a corrupt tensor raises StoreError instead of being computed on.
+        KeyError for an unknown name."""
         if name not in self._dense_meta:
             raise KeyError(f"{self.dense_path}: no dense tensor {name!r}")
         m, h = self._dense_meta[name], self._dense_header[name]
@@ -287,14 +426,60 @@ class Store:
             raw = os.pread(f.fileno(), end - begin, self._dense_start + begin)
         if len(raw) != end - begin:
             raise StoreError(f"{self.dense_path}: tensor {name!r} cut short")
+        if verify:
+            self._verify_dense(name, raw)
         arr = np.frombuffer(raw, dtype=_ST_DTYPES[h["dtype"]]).reshape(h["shape"])
-        if h["dtype"] == "BF16":
+        if not widen and h["dtype"] in ("BF16", "F16"):
+            arr = arr.copy()
+        elif h["dtype"] == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         elif h["dtype"] == "F16":
             arr = arr.astype(np.float32)
         else:
             arr = arr.copy()
         return arr, m["qtype"], tuple(m["shape"])
+
+    @property
+    def dense_checksummed(self) -> bool:
+        """Whether the manifest holds an xxh3 for every dense tensor (stores written before
+        dense checksums existed have none; they still open, unverified)."""
+        return all("xxh3" in m for m in self._dense_meta.values())
+
+    def _verify_dense(self, name: str, raw: Any) -> None:
+        want = self._dense_meta[name].get("xxh3")
+        if want is None:
+            return
+        got = xxhash.xxh3_64_intdigest(raw)
+        if got != int(want, 16):
+            raise StoreError(
+                f"{self.dense_path}: checksum mismatch in dense tensor {name!r}: xxh3 "
+                f"{got:016x}, manifest says {want}"
+            )
+
+    def verify_dense(self, progress: Callable[[int], None] | None = None) -> int:
+        """Read every dense tensor and check its xxh3 (when the manifest has one).
+
+        `progress(nbytes)` after each tensor. Returns the number of tensors checked.
+        Raises StoreError listing the tensors that fail."""
+        bad, checked = [], 0
+        for name in self._dense_meta:
+            begin, end = self._dense_header[name]["data_offsets"]
+            try:
+                with open(self.dense_path, "rb", buffering=0) as f:
+                    raw = os.pread(f.fileno(), end - begin, self._dense_start + begin)
+                if "xxh3" in self._dense_meta[name]:
+                    self._verify_dense(name, raw)
+                    checked += 1
+            except StoreError:
+                bad.append(name)
+            if progress is not None:
+                progress(end - begin)
+        if bad:
+            raise StoreError(
+                f"{self.dense_path}: {len(bad)} dense tensor(s) fail their xxh3 checksum: "
+                f"{', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}"
+            )
+        return checked
 
     def verify_record(self, record: ExpertRecord, buffer: Any) -> None:
         """Check `buffer` (the record's `nbytes` bytes, any buffer-protocol object) against
@@ -344,14 +529,17 @@ class Store:
 
 def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
     where = f"{mpath}: expert_layout"
-    try:
-        qtype, d_model, d_ff = d["qtype"], int(d["d_model"]), int(d["d_ff"])
-        rec = int(d["record_nbytes"])
-        raw = d["tensors"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StoreError(f"{where}: missing or malformed field {exc}") from None
-    if qtype not in QTYPES:
+    if not isinstance(d, dict):
+        raise StoreError(f"{where}: not an object")
+    qtype, raw = _field(d, "qtype", where), _field(d, "tensors", where)
+    d_model, d_ff = _int_field(d, "d_model", where), _int_field(d, "d_ff", where)
+    rec = _int_field(d, "record_nbytes", where)
+    if not isinstance(qtype, str) or qtype not in QTYPES:
         raise StoreError(f"{where}.qtype: unknown qtype {qtype!r}")
+    if not isinstance(raw, dict):
+        raise StoreError(f"{where}.tensors: not an object")
+    if d_model <= 0 or d_ff <= 0:
+        raise StoreError(f"{where}: d_model {d_model} and d_ff {d_ff} must be positive")
     if rec <= 0 or rec % RECORD_ALIGN:
         raise StoreError(f"{where}.record_nbytes {rec} is not a multiple of {RECORD_ALIGN}")
     tensors: dict[str, TensorSpec] = {}
@@ -362,11 +550,20 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         w = f"{where}.tensors.{name}"
         if name not in EXPERT_TENSORS:
             raise StoreError(f"{w}: unknown tensor name (valid: {', '.join(EXPERT_TENSORS)})")
-        try:
-            spec = TensorSpec(int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), t["qtype"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{w}: missing or malformed field {exc}") from None
-        if spec.offset % TENSOR_ALIGN:
+        if not isinstance(t, dict):
+            raise StoreError(f"{w}: not an object")
+        shape = _field(t, "shape", w)
+        if not (isinstance(shape, list) and shape and all(_is_int(x) and x > 0 for x in shape)):
+            raise StoreError(f"{w}.shape {shape!r} is not a list of positive integers")
+        spec = TensorSpec(
+            _int_field(t, "offset", w),
+            _int_field(t, "nbytes", w),
+            tuple(shape),
+            _field(t, "qtype", w),
+        )
+        if not isinstance(spec.qtype, str) or spec.qtype not in QTYPES:
+            raise StoreError(f"{w}.qtype: unknown qtype {spec.qtype!r}")
+        if spec.offset < 0 or spec.offset % TENSOR_ALIGN:
             raise StoreError(f"{w}.offset {spec.offset} is not a multiple of {TENSOR_ALIGN}")
         if spec.nbytes != tensor_nbytes(spec.qtype, spec.shape):
             raise StoreError(f"{w}.nbytes {spec.nbytes} does not match {spec.qtype} {spec.shape}")
@@ -382,6 +579,9 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         "down_bias": (d_model,),
     }
     for name, spec in tensors.items():
+        need = qtype if name in ("gate", "up", "down") else "f32"
+        if spec.qtype != need:
+            raise StoreError(f"{where}.tensors.{name}.qtype {spec.qtype!r} != {need!r}")
         if spec.shape != want[name]:
             raise StoreError(f"{where}.tensors.{name}.shape {list(spec.shape)} != {want[name]}")
     spans = sorted((s.offset, s.offset + s.nbytes, n) for n, s in tensors.items())
@@ -399,16 +599,23 @@ def _parse_records(
     records: list[ExpertRecord] = []
     seen: set[tuple[int, int]] = set()
     prev_end = 0
-    for i, e in enumerate(_need(manifest, "experts", str(mpath))):
+    entries = _need(manifest, "experts", str(mpath))
+    if not isinstance(entries, list):
+        raise StoreError(f"{mpath}: field 'experts' is not a list")
+    for i, e in enumerate(entries):
         w = f"{mpath}: experts[{i}]"
-        try:
-            r = ExpertRecord(
-                int(e["layer"]), int(e["expert"]), int(e["offset"]), int(e["nbytes"]),
-                int(e["xxh3"], 16),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{w}: missing or malformed field {exc}") from None
-        if r.offset % RECORD_ALIGN:
+        if not isinstance(e, dict):
+            raise StoreError(f"{w}: not an object")
+        xxh3 = _field(e, "xxh3", w)
+        if not (isinstance(xxh3, str) and _HEX64.fullmatch(xxh3)):
+            raise StoreError(f"{w}.xxh3 {xxh3!r} is not 16 hex digits")
+        r = ExpertRecord(
+            _int_field(e, "layer", w), _int_field(e, "expert", w), _int_field(e, "offset", w),
+            _int_field(e, "nbytes", w), int(xxh3, 16),
+        )  # fmt: skip
+        if r.layer < 0 or r.expert < 0:
+            raise StoreError(f"{w}: layer {r.layer} / expert {r.expert} must be >= 0")
+        if r.offset < 0 or r.offset % RECORD_ALIGN:
             raise StoreError(f"{w}.offset {r.offset} is not a multiple of {RECORD_ALIGN}")
         if r.nbytes != layout.record_nbytes:
             raise StoreError(f"{w}.nbytes {r.nbytes} != record_nbytes {layout.record_nbytes}")
@@ -438,7 +645,7 @@ def open_store(path: str | os.PathLike[str]) -> Store:
         raise StoreError(f"{mpath}: missing (not a colibri store?)")
     try:
         manifest = json.loads(mpath.read_text())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise StoreError(f"{mpath}: not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise StoreError(f"{mpath}: field 'format' is not {FORMAT_NAME!r}")
@@ -497,9 +704,12 @@ class StoreWriter:
     def __enter__(self) -> StoreWriter:
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, _tb: Any) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, StoreError):  # ENOSPC, EFBIG...
+                why = exc.strerror or str(exc)
+                raise StoreError(f"{self.out}: cannot write the store: {why} (nothing was left)")
 
     def begin_dense(self, plan: list[tuple[str, str, tuple[int, ...]]]) -> None:
         """Write dense.safetensors' header for `plan`: (HF name, qtype, logical shape) each."""
@@ -516,6 +726,8 @@ class StoreWriter:
         self._dense.write(struct.pack("<Q", len(raw)) + raw)
         self._plan = [(n, q, tuple(int(x) for x in s)) for n, q, s in plan]
         self._header = header
+        self._dense_xxh3: dict[str, str] = {}
+        self._hasher = xxhash.xxh3_64()
 
     def write_dense(self, name: str, data: np.ndarray) -> None:
         """Append (a run of leading rows of) the next planned dense tensor: uint8
@@ -530,7 +742,10 @@ class StoreWriter:
         if self._written > end - begin:
             raise StoreError(f"dense tensor {name!r}: more than the planned {end - begin} bytes")
         self._dense.write(raw.data)
+        self._hasher.update(raw.data)
         if self._written == end - begin:
+            self._dense_xxh3[name] = f"{self._hasher.intdigest():016x}"
+            self._hasher.reset()
             self._next, self._written = self._next + 1, 0
 
     def write_expert(self, layer: int, expert: int, parts: dict[str, Any]) -> None:
@@ -585,7 +800,10 @@ class StoreWriter:
             "config": config,
             "source": source,
             "dense_file": "dense.safetensors",
-            "dense": {n: {"qtype": q, "shape": list(s)} for n, q, s in self._plan},
+            "dense": {
+                n: {"qtype": q, "shape": list(s), "xxh3": self._dense_xxh3[n]}
+                for n, q, s in self._plan
+            },
             "experts_file": "experts.bin",
             "experts_nbytes": (self.tmp / "experts.bin").stat().st_size,
             "expert_layout": self.layout.to_json(),

@@ -31,10 +31,8 @@ import xxhash
 
 from colibri.io.cache import ExpertCache, make_policy
 from colibri.io.format import ExpertRecord
-from colibri.io.prefetch import Prefetcher
-from colibri.io.reader import open_reader
-from colibri.io.slab import SlabPool
-from colibri.io.trace import RoutingTrace, load_mixtral_jsonl
+from colibri.io.stack import open_expert_cache
+from colibri.io.trace import RoutingTrace, TraceError, load_mixtral_jsonl
 
 Step = tuple[int, int, list[int]]  # (token, layer, experts)
 
@@ -76,13 +74,18 @@ class SyntheticStore:
         rng = np.random.default_rng(seed)
         sums = np.zeros((num_layers, num_experts), np.uint64)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for layer in range(num_layers):
-                for e in range(num_experts):
-                    rec = rng.integers(0, 256, record_nbytes, dtype=np.uint8)
-                    sums[layer, e] = xxhash.xxh3_64_intdigest(rec)
-                    f.write(rec.data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                for layer in range(num_layers):
+                    for e in range(num_experts):
+                        rec = rng.integers(0, 256, record_nbytes, dtype=np.uint8)
+                        sums[layer, e] = xxhash.xxh3_64_intdigest(rec)
+                        f.write(rec.data)
+            os.replace(tmp, path)
+        except BaseException:  # no space, Ctrl-C, SIGTERM (colibri.cli): leave nothing
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         return cls(path, num_layers, num_experts, record_nbytes, sums, top_k)
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
@@ -212,12 +215,11 @@ async def replay(
             f"bytes; the minimum is top-k = {trace.top_k} records "
             f"({trace.top_k * ((nbytes + 4095) // 4096 * 4096)} bytes)"
         )
-    pool = SlabPool(nbytes, num_slots)
-    reader = open_reader(store.experts_path, io, pool=pool, queue_depth=queue_depth)
-    cache = ExpertCache(
-        store, reader, budget_nbytes, policy=policy, verify=verify, min_slots=trace.top_k
-    )
-    pf = Prefetcher(cache) if prefetch != "none" else None
+    stack = open_expert_cache(
+        store, budget_nbytes, io=io, policy=policy, queue_depth=queue_depth, verify=verify,
+        prefetch=prefetch != "none", min_slots=trace.top_k,
+    )  # fmt: skip
+    pool, reader, cache, pf = stack.pool, stack.reader, stack.cache, stack.prefetcher
     ex = trace.experts
     num_tokens = trace.num_tokens if max_tokens is None else min(max_tokens, trace.num_tokens)
     if not 0 <= warmup_tokens < num_tokens:
@@ -246,8 +248,7 @@ async def replay(
         seconds = time.perf_counter() - t0
         cstats = cache.statistics()
     finally:
-        await cache.aclose()
-        await reader.aclose()
+        await stack.aclose()
     hits, misses, nread = cstats.hits, cstats.misses, cstats.bytes_read
     if base is not None:
         hits, misses, nread = hits - base.hits, misses - base.misses, nread - base.bytes_read
@@ -264,7 +265,7 @@ async def replay(
         pf.statistics() if pf else None,
         pool.statistics(),
     )
-    pool.close()
+    stack.close_pool()
     return result
 
 
@@ -276,6 +277,23 @@ def parse_nbytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 512M, 4G)")
     scale = 1024 ** " KMGT".index(m.group(2).upper() or " ")
     return int(float(m.group(1)) * scale)
+
+
+def check_trace_fits(trace: RoutingTrace, steps: list[Step], store: Any, where: str) -> None:
+    """TraceError unless every (layer, expert) the trace reads has a record in `store`."""
+    have = set(store.moe_layers)
+    bad_layers = sorted({layer for _, layer, _ in steps} - have)
+    if bad_layers:
+        raise TraceError(
+            f"{where}: the trace routes layers {bad_layers[:5]}, which have no experts in "
+            f"{store.path}"
+        )
+    top = max(e for _, _, ex in steps for e in ex)
+    if top >= store.num_experts:
+        raise TraceError(
+            f"{where}: the trace uses expert {top} (of {trace.num_experts}), {store.path} has "
+            f"{store.num_experts} experts per layer"
+        )
 
 
 def load_trace(path: str) -> RoutingTrace:
@@ -318,10 +336,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    for name in ("record_nbytes", "budget", "budget_records", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value}: must be at least 1")
     trace = load_trace(args.trace)
     steps = list(trace.steps())
     if args.max_tokens:
         steps = [s for s in steps if s[0] < args.max_tokens]
+    if not steps:
+        raise TraceError(f"{args.trace}: no routing steps to replay (the trace is empty)")
     total = len({(layer, e) for _, layer, ex in steps for e in ex})
     print(
         f"trace: {trace.num_tokens} tokens, {trace.num_layers} layers, top-{trace.top_k} of "
@@ -349,14 +374,16 @@ def run_cli(args: argparse.Namespace) -> int:
         from colibri.io.format import open_store
 
         store, tmp = open_store(args.store), None
+        check_trace_fits(trace, steps, store, args.trace)
     else:
         tmp = os.path.join(args.synthetic_dir, f"colibri-replay-{os.getpid()}.bin")
-        store = SyntheticStore.create(
-            tmp, trace.num_layers, trace.num_experts, args.record_nbytes, top_k=trace.top_k
-        )
-    nbytes = (int(store.layout.record_nbytes) + 4095) // 4096 * 4096
-    budget = args.budget or nbytes * (args.budget_records or max(trace.top_k, total // 4))
     try:
+        if tmp:
+            store = SyntheticStore.create(
+                tmp, trace.num_layers, trace.num_experts, args.record_nbytes, top_k=trace.top_k
+            )
+        nbytes = (int(store.layout.record_nbytes) + 4095) // 4096 * 4096
+        budget = args.budget or nbytes * (args.budget_records or max(trace.top_k, total // 4))
         r = asyncio.run(
             replay(
                 trace,
@@ -372,7 +399,7 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         )
     finally:
-        if tmp:
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
     c = r.cache
     print(f"io: {r.reader.backend} ({r.reader.reason}); slab: {r.pool.backing}")

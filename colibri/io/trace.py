@@ -66,7 +66,9 @@ class RoutingTrace:
                     yield t, layer, [int(e) for e in row if e >= 0]
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the .npz described in the module docstring (temp file + rename)."""
+        """Write the .npz described in the module docstring (temp file + rename). Raises
+        TraceError naming `path` when it cannot be written (no space, no permission); the
+        temporary file is removed."""
         path = os.fspath(path)
         meta = {
             "format": TRACE_FORMAT,
@@ -82,8 +84,15 @@ class RoutingTrace:
         if self.scores is not None:
             arrays["scores"] = self.scores.astype(np.float32)
         tmp = f"{path}.tmp{os.getpid()}.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        try:
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise TraceError(f"{path}: cannot write the trace: {exc.strerror or exc}") from None
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
@@ -95,6 +104,8 @@ class RoutingTrace:
                 scores = z["scores"] if "scores" in z.files else None
         except (OSError, KeyError, ValueError) as exc:
             raise TraceError(f"{path}: not a colibri routing trace ({exc})") from None
+        if not isinstance(meta, dict):
+            raise TraceError(f"{path}: meta is a {type(meta).__name__}, not a JSON object")
         if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
             raise TraceError(
                 f"{path}: format {meta.get('format')!r} version "
@@ -106,7 +117,18 @@ class RoutingTrace:
                 f"{path}: experts {experts.shape} / weights {weights.shape} "
                 "must both be [tokens, layers, top_k]"
             )
-        num_experts = int(meta.pop("num_experts"))
+        num_experts = meta.pop("num_experts", None)
+        if not (isinstance(num_experts, int) and not isinstance(num_experts, bool)):
+            raise TraceError(f"{path}: meta.num_experts {num_experts!r} is not an integer")
+        if num_experts < 1:
+            raise TraceError(f"{path}: meta.num_experts {num_experts} must be at least 1")
+        if experts.dtype.kind not in "iu":
+            raise TraceError(f"{path}: experts has dtype {experts.dtype}, expected integers")
+        if experts.size and (experts.min() < -1 or experts.max() >= num_experts):
+            bad = experts[(experts < -1) | (experts >= num_experts)].flat[0]
+            raise TraceError(
+                f"{path}: expert id {int(bad)} out of range (-1 = missing, 0..{num_experts - 1})"
+            )
         for k in ("format", "version"):
             meta.pop(k)
         return cls(experts, weights, num_experts, scores, meta)

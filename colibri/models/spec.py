@@ -59,6 +59,47 @@ class AttentionSpec:
     attention_chunk_size: int = 0
     floor_scale: float = 0.0
     attn_scale: float = 0.0
+    # Qwen3-Next / Qwen3.5: q_proj gives each head's query then its output gate
+    # ([n_heads, 2 * head_dim]); the attention output is multiplied by sigmoid(gate)
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet linear attention (arXiv:2412.06464) as Qwen3-Next / Qwen3.5 build it
+    (Qwen3NextGatedDeltaNet), config names.
+
+    Projections give q, k [linear_num_key_heads, linear_key_head_dim], v and the output gate z
+    [linear_num_value_heads, linear_value_head_dim], and b, a [linear_num_value_heads]: in
+    Qwen3-Next fused as in_proj_qkvz / in_proj_ba, grouped per key head ([q k v z] of each key
+    head's value heads, then [b a] likewise; `fused_qkvz`), in Qwen3.5 as in_proj_qkv
+    ([q | k | v]), in_proj_z, in_proj_b, in_proj_a. [q | k | v] goes through a causal depthwise
+    conv1d (linear_conv_kernel_dim taps, SiLU); q and k are l2-normalised, q scaled by
+    head_k_dim**-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated
+    delta rule's output is RMSNorm'd per value head (plain weight, `norm_eps`) times silu(z),
+    then out_proj. Per-sequence state (model.KVCache): the conv's last kernel - 1 inputs and
+    the recurrent state [linear_num_value_heads, linear_key_head_dim, linear_value_head_dim].
+    """
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    fused_qkvz: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba (else Qwen3.5's split ones)
+    norm_eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -88,6 +129,9 @@ class LayerSpec:
     mlp_d_ff: int = 0  # intermediate size of the dense MLP (mlp_* roles)
     shared_d_ff: int = 0  # intermediate size of the shared expert(s) (shared_* roles)
     biases: frozenset[str] = frozenset()  # roles whose projection has a `.bias`
+    # Gated DeltaNet instead of attention (roles in_proj_qkvz in_proj_ba | in_proj_qkv
+    # in_proj_z in_proj_b in_proj_a, conv1d dt_bias A_log linear_norm, o = out_proj)
+    linear_attn: GatedDeltaNetSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +146,9 @@ class ModelSpec:
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"  # == embed when tied
+    # RMSNorm weights stored zero-centred: the scale is norm_offset + weight (Qwen3-Next's
+    # Qwen3NextRMSNorm: 1 + w); applies to input/post/q/k norms and the final norm
+    norm_offset: float = 0.0
 
 
 def get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -273,12 +320,16 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {"q": (q_out, d), "k": (a.n_kv_heads * a.head_dim, d)}
             shapes["v"] = (a.n_kv_heads * a.v_head_dim, d)
         shapes["o"] = (d, o_in)
+        if a.output_gate:
+            shapes["q"] = (2 * q_out, d)
         if a.qk_norm == "head":
             shapes |= {"q_norm": (a.head_dim,), "k_norm": (a.head_dim,)}
         elif a.qk_norm == "full":
             shapes |= {"q_norm": (q_out,), "k_norm": (a.n_kv_heads * a.head_dim,)}
         if a.sinks:
             shapes["sinks"] = (a.n_heads,)
+        if layer.linear_attn is not None:  # Gated DeltaNet replaces the attention tensors
+            shapes = {"input_norm": (d,), "post_norm": (d,)} | linear_attn_shapes(layer, d)
         if layer.moe:
             shapes["router"] = (E, d)
             if "correction_bias" in n:
@@ -290,7 +341,7 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if "shared_expert_gate" in n:
             shapes["shared_expert_gate"] = (1, d)
         for role, shape in shapes.items():
-            if role in ("sinks", "correction_bias"):
+            if role in ("sinks", "correction_bias", "dt_bias", "A_log"):
                 out[n[role]] = shape
                 continue
             out[f"{n[role]}.weight"] = shape
@@ -299,4 +350,22 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     out[f"{spec.final_norm}.weight"] = (d,)
     if spec.lm_head != spec.embed:
         out[f"{spec.lm_head}.weight"] = (spec.vocab_size, d)
+    return out
+
+
+def linear_attn_shapes(layer: LayerSpec, d: int) -> dict[str, tuple[int, ...]]:
+    """role -> shape of a Gated DeltaNet layer's tensors (conv1d.weight is [conv_dim, 1, k])."""
+    g = layer.linear_attn
+    assert g is not None
+    hv = g.linear_num_value_heads
+    out: dict[str, tuple[int, ...]] = {}
+    if g.fused_qkvz:
+        out["in_proj_qkvz"] = (2 * g.key_dim + 2 * g.value_dim, d)
+        out["in_proj_ba"] = (2 * hv, d)
+    else:
+        out |= {"in_proj_qkv": (g.conv_dim, d), "in_proj_z": (g.value_dim, d)}
+        out |= {"in_proj_b": (hv, d), "in_proj_a": (hv, d)}
+    out["conv1d"] = (g.conv_dim, 1, g.linear_conv_kernel_dim)
+    out |= {"dt_bias": (hv,), "A_log": (hv,), "linear_norm": (g.linear_value_head_dim,)}
+    out["o"] = (d, g.value_dim)
     return out

@@ -46,3 +46,4 @@ static inline void vhsum8(float *out, const vf *v) {
 }
 
 #include "ops_simd.inc"
+#include "deltanet_simd.inc"

@@ -1,0 +1,219 @@
+"""Continuous batching (colibri/scheduler.py, Pipeline.forward_batch) on the demo model:
+concurrent streams give exactly their solo tokens and logprobs (greedy and seeded sampling,
+prompts longer than a prefill chunk joining mid-stream), share expert lookups, and a stream
+that is abandoned leaves no sequence, lease or read behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from colibri.compute import ops
+from colibri.compute.ops import QType
+from colibri.engine import open_engine
+from tests.serve_util import DEMO
+
+PROMPTS = ["The for statement", "A while loop", "def main():", "import numpy as np"]
+
+
+async def _run(engine, prompt, **kw):
+    items = [t async for t in engine.stream(prompt, **kw)]
+    return [(t.token_id, t.logprob, t.text) for t in items], items[-1]
+
+
+@pytest.mark.parametrize(
+    ("activations", "batch"), [("q8_0", "split"), ("f32", "split"), ("q8_0", "fused")]
+)
+async def test_concurrent_streams_equal_solo_runs(activations, batch):
+    long_prompt = list(range(5, 5 + 600))  # three prefill chunks of 256
+    reqs = [
+        (PROMPTS[0], dict(max_tokens=24, temperature=0)),
+        (PROMPTS[1], dict(max_tokens=24, temperature=0.9, seed=3, top_p=0.9)),
+        (PROMPTS[2], dict(max_tokens=24, temperature=1.2, seed=11, logprobs=3)),
+        (long_prompt, dict(max_tokens=12, temperature=0)),
+        (PROMPTS[3], dict(max_tokens=24, temperature=0, ignore_eos=True)),
+    ]
+    opts = dict(io="threads", activations=activations, max_running=8, batch=batch)
+    async with open_engine(DEMO, **opts) as eng:
+        solo, solo_steps, solo_gets = [], 0, 0
+        for prompt, kw in reqs:
+            s0 = eng.statistics()
+            solo.append((await _run(eng, prompt, **kw))[0])
+            d = eng.statistics().delta(s0)
+            solo_steps += d.forward_steps
+            solo_gets += d.expert_hits + d.expert_misses
+        s0 = eng.statistics()
+
+        async def late(prompt, kw, delay):
+            await asyncio.sleep(delay)  # joins while the others decode
+            return (await _run(eng, prompt, **kw))[0]
+
+        together = await asyncio.gather(
+            *(late(p, kw, 0.0 if i < 3 else 0.02 * i) for i, (p, kw) in enumerate(reqs))
+        )
+        d = eng.statistics().delta(s0)
+        assert together == solo  # ids, logprobs and text, bit for bit
+        assert d.forward_steps < solo_steps  # they really ran in shared steps
+        assert d.expert_hits + d.expert_misses < solo_gets  # one lookup per expert per step
+        st = eng.statistics()
+        assert st.running == st.waiting == st.leased == 0
+
+
+KERNEL_CASES = [(q, False) for q in (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q8_0)]
+KERNEL_CASES += [(QType.Q4_0, True), (QType.Q8_0, True)]  # Q8_0 activations: these two only
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize(("qtype", "act_q8"), KERNEL_CASES)
+def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_q8):
+    """Why "split" batches call the kernels per sequence and "fused" ones pad to 4 rows: the
+    SIMD matmuls block rows by count (groups of 4, 2, 1; the Q8_0-activation GEMM from 2-3
+    rows), so a row's result depends on how many rows share its call, but not when every call
+    has a multiple of 4 rows (then each row takes the same path)."""
+    if ops.ISA[isa.upper()] > ops.best_isa():
+        pytest.skip(f"{isa} not available here")
+    before = ops.isa()
+    ops.set_isa(isa)
+    try:
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((96, 256)).astype(np.float32)
+        w = w if qtype == QType.F32 else ops.quantize(w, qtype)
+        x = rng.standard_normal((24, 256)).astype(np.float32)
+
+        def mm(rows):
+            out = np.empty((len(rows), 96), np.float32)
+            if act_q8:
+                return ops.matmul_q8(w, qtype, ops.quantize_act(rows), out)
+            return ops.matmul(w, qtype, rows, out)
+
+        full = mm(x)
+        for n in (4, 8, 12, 20):
+            for start in (0, 1, 3):
+                assert np.array_equal(mm(x[start : start + n]), full[start : start + n])
+        unpadded = [n for n in (1, 2, 3, 5, 6, 7) if not np.array_equal(mm(x[:n]), full[:n])]
+        if isa == "avx2" or qtype in (QType.Q4_0, QType.Q8_0):
+            assert unpadded  # the reason padding is needed
+    finally:
+        ops.set_isa(before)
+
+
+async def test_abandoned_and_waiting_streams_leave_nothing_behind():
+    async with open_engine(DEMO, io="threads", max_running=1) as eng:
+        first = eng.stream(PROMPTS[0], max_tokens=500, ignore_eos=True, temperature=0)
+        second = eng.stream(PROMPTS[1], max_tokens=500, ignore_eos=True, temperature=0)
+        await first.__anext__()
+        task = asyncio.ensure_future(second.__anext__())  # waits: max_running=1
+        await asyncio.sleep(0.05)
+        assert eng.statistics().waiting == 1 and eng.statistics().running == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await second.aclose()
+        await first.aclose()
+        for _ in range(100):
+            st = eng.statistics()
+            if st.running == st.waiting == st.leased == st.reads_in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert st.running == st.waiting == st.leased == st.reads_in_flight == 0
+        steps = st.forward_steps
+        await asyncio.sleep(0.1)
+        assert eng.statistics().forward_steps == steps  # nothing runs any more
+        # and the engine still serves
+        out = await eng.generate(PROMPTS[0], max_tokens=3, temperature=0)
+        assert isinstance(out, str)
+
+
+async def test_closing_the_engine_cancels_running_streams():
+    async with open_engine(DEMO, io="threads") as eng:
+        agen = eng.stream(PROMPTS[0], max_tokens=800, ignore_eos=True, temperature=0)
+        await agen.__anext__()
+        closing = asyncio.ensure_future(eng.aclose())
+        items = [t async for t in agen]
+        await closing
+    assert items[-1].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_prefix_cache_reuses_a_shared_prompt_prefix(batch):
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(5, 2000, size=1000).tolist()
+    a, b = [*prefix, 7, 8, 9], [*prefix, 10, 11, 12, 13]
+    async with open_engine(DEMO, io="threads", batch=batch) as cold:
+        expected = (await _run(cold, b, max_tokens=8, temperature=0))[0]
+    async with open_engine(DEMO, io="threads", prefix_cache=64 << 20, batch=batch) as eng:
+        first = (await _run(eng, a, max_tokens=8, temperature=0))[1].statistics
+        assert first.prefix_tokens == 0
+        s0 = eng.statistics()
+        got, last = await _run(eng, b, max_tokens=8, temperature=0)
+        d = eng.statistics().delta(s0)
+        assert last.statistics.prefix_tokens == 992 == d.prefix_hits  # 62 blocks of 16
+        assert got == expected
+        assert 0 < eng.statistics().prefix_nbytes <= 64 << 20
+        # a prompt that is all prefix still computes its last token
+        again = (await _run(eng, a, max_tokens=8, temperature=0))[1].statistics
+        assert again.prefix_tokens == 1000 // 16 * 16
+
+
+def test_prefix_cache_budget_evicts_oldest_blocks():
+    from types import SimpleNamespace
+
+    from colibri.engine import EngineOptions
+    from colibri.errors import ColibriError
+    from colibri.model import KVCache
+    from colibri.prefix_cache import PrefixCache
+
+    attention = SimpleNamespace(mla=None, n_kv_heads=1, head_dim=4, v_head_dim=4)
+    Spec = SimpleNamespace(layers=[SimpleNamespace(attention=attention)])  # what allocate reads
+    kv = KVCache.allocate(Spec, 64)
+    kv.k[0][:] = np.arange(64 * 4, dtype=np.float32).reshape(64, 1, 4)
+    kv.v[0][:] = -kv.k[0]
+    kv.length = 64
+    block_nbytes = 2 * 16 * 4 * 4
+    pc = PrefixCache(3 * block_nbytes, block_size=16)
+    ids = list(range(64))
+    pc.store(ids, kv)
+    assert pc.nbytes == 3 * block_nbytes  # four blocks, budget of three: the first evicted
+    fresh = KVCache.allocate(Spec, 64)
+    assert pc.lookup(ids, fresh) == 0  # block 0 is gone, so no prefix matches
+    pc2 = PrefixCache(10 * block_nbytes, block_size=16)
+    pc2.store(ids, kv)
+    fresh = KVCache.allocate(Spec, 64)
+    assert pc2.lookup([*ids[:40], 99, 98], fresh) == 32
+    np.testing.assert_array_equal(fresh.k[0][:32], kv.k[0][:32])
+    np.testing.assert_array_equal(fresh.v[0][:32], kv.v[0][:32])
+    assert not fresh.k[0][32:].any()
+    with pytest.raises(ColibriError, match="prefix_cache"):
+        EngineOptions(prefix_cache=-1)
+    with pytest.raises(ColibriError, match="max_running"):
+        EngineOptions(max_running=0)
+    with pytest.raises(ColibriError, match="batch"):
+        EngineOptions(batch="stacked")
+
+
+async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
+    from colibri.io.format import open_store
+
+    rec = open_store(DEMO).layout.record_nbytes
+    # 10 slots for 32 experts; one sequence asks top-2 x 4 layers = 8 records a step
+    async with open_engine(DEMO, io="threads", budget=10 * rec, max_running=8) as eng:
+        assert eng.scheduler.capacity() == 1
+        solo = [(await _run(eng, p, max_tokens=12, temperature=0))[0] for p in PROMPTS[:3]]
+        seen = []
+
+        async def watch():
+            while True:
+                st = eng.statistics(components=False)
+                seen.append((st.running, st.waiting))
+                await asyncio.sleep(0.002)
+
+        w = asyncio.ensure_future(watch())
+        together = await asyncio.gather(
+            *(_run(eng, p, max_tokens=12, temperature=0) for p in PROMPTS[:3])
+        )
+        w.cancel()
+        assert [t[0] for t in together] == solo
+        assert max(r for r, _ in seen) == 1 and max(q for _, q in seen) >= 1
+    async with open_engine(DEMO, io="threads", max_running=8) as eng:  # every expert fits
+        assert eng.scheduler.capacity() == 8
