@@ -279,10 +279,11 @@ def main() -> int:
     small = ensure_store(args.small, "qwen3-30b-a3b", layers=4)
     s = open_store(small)
     k = model_spec(s.config).moe.router.top_k
-    from bench.kernels import copy_bandwidth
+    from bench.kernels import copy_bandwidth, read_bandwidth
 
-    mem = copy_bandwidth(1 << 30, 1, 3)
-    print(f"memory copy bandwidth {mem:.1f} GB/s (read+write)")
+    mem, cp = read_bandwidth(1 << 30, 0, 3), copy_bandwidth(1 << 30, 1, 3)
+    print(f"memory read bandwidth {mem:.1f} GB/s (streaming SIMD read, all threads); "
+          f"copy {cp:.1f} GB/s (read+write, 1 thread)")  # fmt: skip
 
     all_small = store_expert_nbytes(small)
     fits = asyncio.run(

@@ -5,9 +5,10 @@ same run; plus small-call latencies (the engine makes ~300 kernel calls a token)
     .venv/bin/python bench/kernels.py [--mib 128] [--isa avx2] [--repeat 5]
 
 Weight GB/s = weight bytes / time (each weight byte is read once per call). Memory bandwidth
-= a large numpy copy (np.copyto), counted as read + write = 2 x size bytes / time (the write
-allocate makes the real traffic higher, so this is a conservative ceiling), run in 1 and in
-N threads at once. Times are the best of --repeat runs (the machine is shared).
+= a streaming SIMD read in C of 1 GiB (ops.mem_read), the read bound a matvec can reach, at 1
+and N threads; beside it a large numpy copy (np.copyto), counted as read + write (its write
+allocate makes the real traffic higher: a copy understates reads). Times are the best of
+--repeat runs (the machine is shared).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from colibri.compute import ops
+from colibri.compute import ops, ref
 
 
 def best_time(fn, repeat: int) -> float:
@@ -59,8 +60,20 @@ def copy_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
     return 2 * per * 4 * nthreads / best_time(run, repeat) / 1e9
 
 
+def read_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
+    """GB/s of a streaming SIMD read (ops.mem_read: vector loads, no stores) of an nbytes
+    buffer on nthreads kernel-pool threads: the memory read bound (DESIGN.md §8). Best of
+    `repeat` after a warm-up; nbytes should be far larger than the L3 cache."""
+    buf = np.ones(nbytes, np.uint8)
+    return nbytes / best_time(lambda: ops.mem_read(buf, nthreads), repeat) / 1e9
+
+
 def make_weights(qt: ops.QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed)."""
+    """[rows, row_nbytes] bytes: 256 properly quantized random rows, tiled (same speed); for
+    the import-only types (no quantizer: q2_k, q3_k, iq4_nl, iq4_xs) random valid blocks."""
+    if qt not in ops.QUANTIZE_TYPES:
+        base = ref.random_blocks(rng, int(qt), 256, cols)
+        return np.ascontiguousarray(np.tile(base, (rows // 256 + 1, 1))[:rows])
     base = ops.quantize(rng.standard_normal((256, cols)).astype(np.float32), qt)
     return np.ascontiguousarray(np.tile(base, (rows // 256 + 1, 1))[:rows])
 
@@ -82,7 +95,11 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--isa", choices=[i.name.lower() for i in ops.ISA], default=None)
-    p.add_argument("--formats", default="q4_0,q8_0,q4_1,f16,bf16,f32")
+    p.add_argument(
+        "--formats",
+        default="q4_0,q8_0,q4_1,f16,bf16,f32,q4_k,q5_k,q6_k,q5_0,q5_1,q2_k,q3_k,mxfp4,iq4_nl,"
+        "iq4_xs,fp8",
+    )
     args = p.parse_args()
     if args.isa:
         ops.set_isa(args.isa)
@@ -92,9 +109,13 @@ def main() -> None:
           f"weights {args.mib} MiB, cols {args.cols}, best of {args.repeat}, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
-    bw = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
+    cp = {t: copy_bandwidth(256 << 20, t, args.repeat) for t in sorted({1, nt})}
+    bw = {t: read_bandwidth(1 << 30, t, args.repeat) for t in sorted({1, nt})}
     for t, v in bw.items():
-        print(f"memory bandwidth, numpy copy of 256 MiB, {t} thread(s): {v:6.2f} GB/s (read+write)")
+        print(
+            f"memory bandwidth, {t} thread(s): SIMD read of 1 GiB {v:6.2f} GB/s "
+            f"(the bound below); numpy copy of 256 MiB {cp[t]:6.2f} GB/s (read+write)"
+        )
     print()
     print("cpu% = process CPU time / (wall x threads): below 100% the machine was busy.")
     print("act q8_0: activations quantized to Q8_0 (included in the time), integer dots.")
@@ -132,20 +153,23 @@ def main() -> None:
             med, best = latency_us(lambda: ops.matmul(w, qt, x, y, nthreads=t))  # noqa: B023
             print(f"  matmul {qt} [{rows}x{cols}] n=1, {t} thr: {med:7.1f} / {best:7.1f}")
     d_model, d_ff = 2048, 768  # a Qwen3-30B-A3B expert
-    for qt in ("q4_0", "q8_0"):
-        gate, up = (make_weights(ops.QType.parse(qt), d_ff, d_model, rng) for _ in range(2))
-        down = make_weights(ops.QType.parse(qt), d_model, d_ff, rng)
+    # (gate, up, down) types: "q4_k/q4_k/q6_k" is a Q4_K_M layer with its down in Q6_K
+    for types in ("q4_0", "q8_0", "q4_k/q4_k/q6_k", "q5_1", "mxfp4", "fp8"):
+        qts = [ops.QType.parse(q) for q in (types.split("/") * 3)[:3]]
+        gate, up = (make_weights(qts[i], d_ff, d_model, rng) for i in range(2))
+        down = make_weights(qts[2], d_model, d_ff, rng)
         for n, q8, t in ((n, q8, t) for n in (1, 8, 64) for q8 in (False, True) for t in {1, nt}):
             x = rng.standard_normal((n, d_model)).astype(np.float32)
             y, scratch = np.zeros_like(x), np.empty(2 * n * d_ff, np.float32)
             med, best = latency_us(
-                lambda: ops.expert_ffn(y, x, gate, up, down, qt, d_model, d_ff,  # noqa: B023
-                                       scratch=scratch, act_q8=q8, nthreads=t),  # noqa: B023
+                lambda: ops.expert_ffn(y, x, gate, up, down, qts[0], d_model, d_ff,  # noqa: B023
+                                       scratch=scratch, act_q8=q8, nthreads=t,  # noqa: B023
+                                       qtypes=tuple(qts)),  # noqa: B023
                 repeat=500 if n < 64 else 30,
             )  # fmt: skip
             act = "q8_0" if q8 else "f32"
             print(
-                f"  expert_ffn {qt} {d_model}x{d_ff} act {act:<4} n={n}, {t} thr: "
+                f"  expert_ffn {types} {d_model}x{d_ff} act {act:<4} n={n}, {t} thr: "
                 f"{med:7.1f} / {best:7.1f}"
             )
 

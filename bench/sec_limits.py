@@ -3,8 +3,9 @@
 Disk: fio (io_uring, O_DIRECT, fixed buffers, batched submission: bench/io.py `run_fio`) reading
 uniformly random expert-record-sized blocks of a file under ctx.work, queue depth 1..64; and
 colibri's UringReader (bench/io.py `run_reader`) at the same record size and QD 1/8/32, the two
-interleaved round by round. Memory: numpy copies (bench/kernels.py `copy_bandwidth`) at 1 thread
-and at ctx.threads, read + write bytes counted.
+interleaved round by round. Memory: a streaming SIMD read in C (bench/kernels.py
+`read_bandwidth`, the read bound `memory_gbps` returns) and beside it numpy copies
+(`copy_bandwidth`, read + write bytes counted), at 1 thread and at ctx.threads.
 
 Later sections ask `disk_gbps(ctx, record_nbytes, qd)` and `memory_gbps(ctx)`, which read these
 figures (measuring on demand when this section did not run).
@@ -38,6 +39,7 @@ QDS = (1, 2, 4, 8, 16, 32, 64)
 READER_QDS = (1, 8, 32)
 HEADLINE_QD = 32
 MEM_NBYTES = 256 << 20  # copied per run (split over the threads), far beyond L3
+MEM_READ_NBYTES = 1 << 30  # read per run by the kernel pool, far beyond L3
 MEM_REPEAT = 5  # copies per round (best taken); the report quotes the median over rounds
 MIN_ROUNDS = 3  # this shared disk varies 2-3x run to run: never fewer rounds than this
 HEADROOM = 2 << 30  # free space left on the disk after writing the fio file
@@ -174,24 +176,31 @@ def disk_gbps(ctx: Context, record_nbytes: int, qd: int) -> float:
 
 
 def _measure_memory(ctx: Context) -> dict[str, Any]:
-    """Interleaved 1-thread / ctx.threads numpy copies; medians of at least 3 rounds."""
+    """Interleaved 1-thread / ctx.threads streaming SIMD reads (bench/kernels.py
+    `read_bandwidth`, the bound) and numpy copies beside them; medians of at least 3 rounds."""
     threads = sorted({1, ctx.threads})
-    copy = bench_kernels.copy_bandwidth
-    runs = {f"{t}t": (lambda t=t: copy(MEM_NBYTES, t, MEM_REPEAT)) for t in threads}
+    copy, read = bench_kernels.copy_bandwidth, bench_kernels.read_bandwidth
+    runs = {f"{t}t": (lambda t=t: read(MEM_READ_NBYTES, t, MEM_REPEAT)) for t in threads}
+    runs |= {f"copy {t}t": (lambda t=t: copy(MEM_NBYTES, t, MEM_REPEAT)) for t in threads}
     res = interleave(runs, max(MIN_ROUNDS, ctx.rounds), ctx.log)
     one, all_ = median(res["1t"]), median(res[f"{ctx.threads}t"])
+    c1, cn = median(res["copy 1t"]), median(res[f"copy {ctx.threads}t"])
     return {
         "mem_gbps": max(one, all_),  # N threads can always do what one does
         "mem_gbps_1t": one,
         "mem_gbps_nt_measured": all_,
+        "mem_read_nbytes": MEM_READ_NBYTES,
+        "copy_gbps_1t": c1,
+        "copy_gbps_nt": cn,
         "mem_runs": res,
         "mem_copy_nbytes": MEM_NBYTES,
     }
 
 
 def memory_gbps(ctx: Context) -> float:
-    """Memory bandwidth in GB/s (numpy copy, read + write bytes, ctx.threads threads) from the
-    limits section, else measured now and remembered in ctx.results["limits"]."""
+    """Memory read bandwidth in GB/s (streaming SIMD read in C, ctx.threads threads; the
+    compute bound's limit, DESIGN.md §8) from the limits section, else measured now and
+    remembered in ctx.results["limits"]."""
     lim = _limits(ctx)
     if lim.get("mem_gbps") is None:
         lim.update(_measure_memory(ctx))
@@ -231,8 +240,8 @@ def _plot(ctx: Context, disk: list[dict], reader: list[dict], small_pages: list[
     vals = [mem["mem_gbps_1t"], mem["mem_gbps_nt_measured"]]
     bars = axm.bar(labels, vals, color=[colors[2], colors[3]])
     axm.bar_label(bars, fmt="%.1f")
-    axm.set_ylabel("GB/s (read + write)")
-    axm.set_title("Memory (numpy copy)")
+    axm.set_ylabel("GB/s (read)")
+    axm.set_title("Memory (streaming SIMD read)")
     axm.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     name = "limits_disk.png"
@@ -363,15 +372,18 @@ def run(ctx: Context) -> Section:
         ))  # fmt: skip
     md += [
         "",
-        f"**Memory**: `np.copyto` of {MEM_NBYTES >> 20} MiB (split over 1 or "
-        f"{ctx.threads} concurrent threads), counting read + write bytes (the write-allocate "
-        "traffic makes the real figure higher: a conservative ceiling); median of "
-        f"{len(mem['mem_runs']['1t'])} interleaved rounds: **{fmt(mem['mem_gbps_1t'])} GB/s** "
-        f"at 1 thread, **{fmt(mem['mem_gbps_nt_measured'])} GB/s** at {ctx.threads} threads "
-        f"(best of {MEM_REPEAT} copies per round).",
+        f"**Memory read** (the bound later sections use): a streaming SIMD read in C "
+        f"(`ops.mem_read`, vector loads, no stores) of {MEM_READ_NBYTES >> 20} MiB on 1 or "
+        f"{ctx.threads} threads of the kernel pool; median of {len(mem['mem_runs']['1t'])} "
+        f"interleaved rounds: **{fmt(mem['mem_gbps_1t'])} GB/s** at 1 thread, "
+        f"**{fmt(mem['mem_gbps_nt_measured'])} GB/s** at {ctx.threads} threads (best of "
+        f"{MEM_REPEAT} reads per round). Beside it, `np.copyto` of {MEM_NBYTES >> 20} MiB "
+        "counting read + write bytes (its write-allocate traffic is not counted, so a copy "
+        f"understates reads): {fmt(mem.get('copy_gbps_1t'))} GB/s at 1 thread, "
+        f"{fmt(mem.get('copy_gbps_nt'))} GB/s at {ctx.threads} threads.",
     ]
     if mem["mem_gbps_nt_measured"] < mem["mem_gbps_1t"]:
-        md += ["", f"{ctx.threads} threads copied slower than one: the other cores were busy "
+        md += ["", f"{ctx.threads} threads read slower than one: the other cores were busy "
                "with other work. The memory limit later sections use (`memory_gbps`) is the "
                f"higher figure, {fmt(mem['mem_gbps'])} GB/s."]  # fmt: skip
     figures = [_plot(ctx, disk, reader, small_pages, mem)]

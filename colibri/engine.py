@@ -601,11 +601,13 @@ class Engine:
     async def _aclose(self) -> None:
         self._closing = True
         await self.scheduler.aclose()
-        if self.pipeline.tracer is not None:
-            self.pipeline.tracer.save(self.options.trace)
-        self.pipeline.close()
-        await self.io.aclose()
-        self.io.close_pool()
+        try:
+            if self.pipeline.tracer is not None:
+                self.pipeline.tracer.save(self.options.trace)  # TraceError names the file
+        finally:
+            self.pipeline.close()
+            await self.io.aclose()
+            self.io.close_pool()
 
 
 def _times(pipeline: Pipeline) -> tuple[float, float]:

@@ -16,7 +16,7 @@ import numpy as np
 from colibri.compute import deltanet, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
-from colibri.io.format import Store
+from colibri.io.format import ExpertLayout, Store
 from colibri.models.spec import AttentionSpec, LayerSpec, ModelSpec
 
 GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
@@ -49,7 +49,7 @@ class Linear:
         act_q8: bool = False,
     ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
-        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES
+        self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES and cols % 32 == 0  # fp8: any cols
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +74,30 @@ class Linear:
         if self.bias is not None:
             out += self.bias
         return out
+
+
+def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
+    """One Linear over the rows of `parts` (same type, columns and bias presence), so q, k and
+    v take one quantization of their input and one kernel call; each row is computed as in
+    its own matrix (kernels are row-independent), so results are identical. The parts' weights
+    become views into the fused array (no second copy). None when they do not match."""
+    p0 = parts[0]
+    same = all(
+        p.qtype == p0.qtype and p.cols == p0.cols and p.act_q8 == p0.act_q8 and
+        (p.bias is None) == (p0.bias is None) and p.w.ndim == p0.w.ndim and
+        p.w.shape[1:] == p0.w.shape[1:]
+        for p in parts
+    )  # fmt: skip
+    if not same:
+        return None
+    w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
+    bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
+    fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8)
+    r = 0
+    for p in parts:
+        p.w, p.bias = w[r : r + p.rows], None if bias is None else bias[r : r + p.rows]
+        r += p.rows
+    return fused
 
 
 @dataclass
@@ -212,11 +236,24 @@ class Model:
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.layers = [self._load_layer(layer) for layer in spec.layers]
         layout = store.layout
-        self.expert_qtype = QType.parse(layout.qtype)
         self.d_ff = layout.d_ff
-        self._record = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        # per layer (None = the default layout): tensor spans, (gate, up, down) types, act_q8
+        self._experts = {
+            key: self._expert_plan(store.layout_for(key) if key is not None else layout)
+            for key in [None, *store.moe_layers]
+        }
+        self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
 
     # ---- loading -------------------------------------------------------------------------
+    def _expert_plan(
+        self, layout: ExpertLayout
+    ) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:
+        """(tensor name -> (offset, nbytes), (gate, up, down) qtypes, act_q8) of a layout."""
+        spans = {name: (t.offset, t.nbytes) for name, t in layout.tensors.items()}
+        qts = tuple(QType.parse(q) for q in layout.weight_qtypes)
+        blocks = layout.d_model % 32 == 0 and layout.d_ff % 32 == 0  # Q8_0 rows (fp8: any)
+        return spans, qts, self.act_q8 and blocks and all(q in ops.Q8_ACT_TYPES for q in qts)
+
     def _raw(
         self, name: str, shape: tuple[int, ...], widen: bool = False
     ) -> tuple[np.ndarray, QType]:
@@ -290,6 +327,8 @@ class Model:
                 "v": self._linear(n["v"], a.n_kv_heads * a.v_head_dim, d),
                 "o": self._linear(n["o"], d, a.n_heads * a.v_head_dim),
             }
+            if (qkv := _fuse((w["q"], w["k"], w["v"]))) is not None:
+                w["qkv"] = qkv
         if a.qk_norm == "head":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
             w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
@@ -359,7 +398,9 @@ class Model:
         """Bytes of resident weights (all dense tensors of the store)."""
         total = self.embed_w.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
         for w in self.layers:
-            for v in w.values():
+            for key, v in w.items():
+                if key == "qkv":  # q, k and v are views into it
+                    continue
                 items = v if isinstance(v, tuple) else (v,)
                 total += sum(i.nbytes for i in items)
         if self.spec.lm_head == self.spec.embed:
@@ -392,14 +433,21 @@ class Model:
         the keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, v_head_dim]."""
         spec, w = self.spec.layers[i], self.layers[i]
         a, n = spec.attention, h.shape[0]
-        q = w["q"](h, nthreads=self.nthreads)
+        if "qkv" in w:  # one quantization of h and one kernel call for q, k and v
+            qkv = w["qkv"](h, nthreads=self.nthreads)
+            nq, nk = w["q"].rows, w["k"].rows
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+            if n > 1:  # column slices of a batch are strided; the kernels want rows
+                q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
+        else:
+            q = w["q"](h, nthreads=self.nthreads)
+            k = w["k"](h, nthreads=self.nthreads)
+            v = w["v"](h, nthreads=self.nthreads)
         gate = None
         if a.output_gate:  # per head [query | output gate] (AttentionSpec.output_gate)
             qg = q.reshape(n, a.n_heads, 2 * a.head_dim)
             q = np.ascontiguousarray(qg[:, :, : a.head_dim]).reshape(n, -1)
             gate = qg[:, :, a.head_dim :]
-        k = w["k"](h, nthreads=self.nthreads)
-        v = w["v"](h, nthreads=self.nthreads)
         if a.qk_norm == "full":
             ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
             ops.rmsnorm(k, k, w["k_norm"], self.spec.norm_eps)
@@ -622,15 +670,22 @@ class Model:
             out += y[:n]
 
     def expert_ffn(
-        self, record: np.ndarray, h: np.ndarray, rows: np.ndarray, weights: np.ndarray
+        self,
+        record: np.ndarray,
+        h: np.ndarray,
+        rows: np.ndarray,
+        weights: np.ndarray,
+        layer: int | None = None,
     ) -> np.ndarray:
         """One routed expert on the token rows routed to it: weights[r] * FFN(h[rows[r]]).
 
-        record: uint8 [record_nbytes] (a slab slot); rows int [m]; weights f32 [m].
+        record: uint8 [record nbytes] (a slab slot) of MoE layer `layer` (its layout:
+        Store.layout_for; None = the default layout); rows int [m]; weights f32 [m].
         Returns f32 [m, d_model].
         """
         m = self.spec.moe
-        part = {name: record[o : o + nb] for name, (o, nb) in self._record.items()}
+        spans, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        part = {name: record[o : o + nb] for name, (o, nb) in spans.items()}
         x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
         if m.apply_router_weight_on_input:  # Llama 4: FFN(weight * x), see MoESpec
             x = x * np.asarray(weights, dtype=np.float32)[:, None]
@@ -650,7 +705,7 @@ class Model:
             part["gate"],
             part["up"],
             part["down"],
-            self.expert_qtype,
+            qts[0],
             self.spec.d_model,
             self.d_ff,
             act=m.act,
@@ -661,8 +716,9 @@ class Model:
             accumulate=False,
             alpha=m.alpha,
             limit=m.limit,
-            act_q8=self.act_q8 and self.expert_qtype in ops.Q8_ACT_TYPES,
+            act_q8=act_q8,
             nthreads=self.nthreads,
+            qtypes=qts if len(set(qts)) > 1 else None,
         )
         return y[:m_rows]
 

@@ -341,7 +341,9 @@ class Pipeline:
             for (h, ids, weights), sl in zip(routed, slots, strict=True):
                 tok, slot = np.nonzero(ids == e)
                 if len(tok):
-                    sl[tok, slot] = self.model.expert_ffn(lease.buffer, h, tok, weights[tok, slot])
+                    sl[tok, slot] = self.model.expert_ffn(
+                        lease.buffer, h, tok, weights[tok, slot], layer=i
+                    )
         if last:
             for x, sl in zip(xs, slots, strict=True):
                 for j in range(sl.shape[1]):  # fixed order, whatever the arrival order

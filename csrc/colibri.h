@@ -15,8 +15,20 @@ enum clb_qtype {
     CLB_QTYPE_F16 = 1,
     CLB_QTYPE_Q4_0 = 2,
     CLB_QTYPE_Q4_1 = 3,
+    CLB_QTYPE_Q5_0 = 6,
+    CLB_QTYPE_Q5_1 = 7,
     CLB_QTYPE_Q8_0 = 8,
-    CLB_QTYPE_BF16 = 30
+    CLB_QTYPE_Q2_K = 10,
+    CLB_QTYPE_Q3_K = 11,
+    CLB_QTYPE_Q4_K = 12,
+    CLB_QTYPE_Q5_K = 13,
+    CLB_QTYPE_Q6_K = 14,
+    CLB_QTYPE_IQ4_NL = 20,
+    CLB_QTYPE_IQ4_XS = 23,
+    CLB_QTYPE_BF16 = 30,
+    CLB_QTYPE_MXFP4 = 39,
+    /* not a GGML type: e4m3fn rows with f32 scales per 128 columns (csrc/kquants.h) */
+    CLB_QTYPE_FP8 = 200
 };
 
 /* Instruction-set levels; clb_isa_set() forces one (tests), COLIBRI_ISA=scalar|avx2|avx512
@@ -80,6 +92,25 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x,
                    const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
                    int act, float alpha, float limit, int accumulate, void *qscratch,
                    int nthreads);
+
+/* The same with its own storage type per tensor (mixed GGUF quants: Q4_K_M keeps some layers'
+ * down in Q6_K). With qscratch every type must pass clb_q8_act_supported. */
+int clb_expert_ffn_mixed(int gate_qtype, int up_qtype, int down_qtype, float *y, float *scratch,
+                         const float *x, const void *gate, const void *up, const void *down,
+                         const float *gate_bias, const float *up_bias, const float *down_bias,
+                         const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                         int act, float alpha, float limit, int accumulate, void *qscratch,
+                         int nthreads);
+
+/* 1 if clb_matmul_q8 / clb_expert_ffn(qscratch) take weights of this type: Q4_0, Q8_0, Q5_0,
+ * Q5_1, Q2_K..Q6_K, MXFP4, IQ4_NL, IQ4_XS (integer dots) and FP8 (f32 dots on the Q8_0 values). */
+int clb_q8_act_supported(int qtype);
+
+/* ---- memory read bound (membench.c) ----------------------------------------------------
+ * Read nbytes of buf once with vector loads on nthreads threads (the kernel pool) and store
+ * the XOR of its 64-bit words (as int64) in *xor_out, so the reads cannot be optimised away;
+ * time it from the caller for the streaming read bandwidth. */
+int clb_mem_read(int64_t *xor_out, const void *buf, int64_t nbytes, int nthreads);
 
 /* ---- small ops (ops.c) ----------------------------------------------------------------- */
 /* y[n, d] = x / sqrt(mean(x^2) + eps) * w; w nullable (= 1); y may alias x. */

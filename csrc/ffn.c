@@ -18,6 +18,7 @@
 #include "colibri.h"
 #include "pool.h"
 #include "quant.h"
+#include "kquants.h"
 
 /* h = act(g, u) for columns [c0, c1) of n rows of stride ld. Formulas: colibri.h. */
 static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0, int64_t c1,
@@ -43,16 +44,18 @@ static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0,
 }
 
 struct ffn_job {
-    clb_mm_rows_fn fn;
-    clb_mmq_rows_fn qfn;
+    /* per tensor (gate, up, down): rows kernels for its storage type and its qtype */
+    clb_mm_rows_fn fn_g, fn_u, fn_d;
+    clb_mmq_rows_fn qfn_g, qfn_u, qfn_d;
+    int qt_g, qt_u, qt_d;
     uint8_t *xq, *hq; /* Q8_0 [n, xrb_model] / [n, xrb_ff], or NULL for f32 activations */
     int64_t xrb_model, xrb_ff;
-    int qtype, act, accumulate;
+    int act, accumulate;
     float alpha, limit;
     float *y, *g, *u;  /* y [n, d_model]; g, u [n, d_ff] (h overwrites g) */
     const float *x, *gate_bias, *up_bias, *down_bias, *row_weight;
     const void *gate, *up, *down;
-    int64_t n, d_model, d_ff, rb_model, rb_ff, ch_ff, ch_model;
+    int64_t n, d_model, d_ff, rb_g, rb_u, rb_d, ch_ff, ch_model;
 };
 
 /* Chunk c of the first loop: d_ff rows [c ch_ff, ...) of gate and up, then the activation. */
@@ -60,15 +63,15 @@ static void ffn_up_chunk(void *ctx, int64_t c) {
     const struct ffn_job *j = ctx;
     const int64_t f0 = c * j->ch_ff, f1 = f0 + j->ch_ff < j->d_ff ? f0 + j->ch_ff : j->d_ff;
     if (j->xq) {
-        j->qfn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->xq, j->xrb_model, j->d_model,
-               j->n, f0, f1, j->gate_bias, NULL, 0);
-        j->qfn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->xq, j->xrb_model, j->d_model,
-               j->n, f0, f1, j->up_bias, NULL, 0);
+        j->qfn_g(j->qt_g, j->g, j->d_ff, j->gate, j->rb_g, j->xq, j->xrb_model, j->d_model,
+                 j->n, f0, f1, j->gate_bias, NULL, 0);
+        j->qfn_u(j->qt_u, j->u, j->d_ff, j->up, j->rb_u, j->xq, j->xrb_model, j->d_model,
+                 j->n, f0, f1, j->up_bias, NULL, 0);
     } else {
-        j->fn(j->qtype, j->g, j->d_ff, j->gate, j->rb_model, j->x, j->d_model, j->d_model, j->n,
-              f0, f1, j->gate_bias, NULL, 0);
-        j->fn(j->qtype, j->u, j->d_ff, j->up, j->rb_model, j->x, j->d_model, j->d_model, j->n,
-              f0, f1, j->up_bias, NULL, 0);
+        j->fn_g(j->qt_g, j->g, j->d_ff, j->gate, j->rb_g, j->x, j->d_model, j->d_model, j->n,
+                f0, f1, j->gate_bias, NULL, 0);
+        j->fn_u(j->qt_u, j->u, j->d_ff, j->up, j->rb_u, j->x, j->d_model, j->d_model, j->n,
+                f0, f1, j->up_bias, NULL, 0);
     }
     ffn_act(j->g, j->u, j->d_ff, j->n, f0, f1, j->act, j->alpha, j->limit);
     if (j->hq) /* f0, f1 are multiples of 32 here (or f1 = d_ff) */
@@ -83,11 +86,11 @@ static void ffn_down_chunk(void *ctx, int64_t c) {
     const int64_t m0 = c * j->ch_model;
     const int64_t m1 = m0 + j->ch_model < j->d_model ? m0 + j->ch_model : j->d_model;
     if (j->hq)
-        j->qfn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->hq, j->xrb_ff, j->d_ff, j->n, m0,
-               m1, j->down_bias, j->row_weight, j->accumulate);
+        j->qfn_d(j->qt_d, j->y, j->d_model, j->down, j->rb_d, j->hq, j->xrb_ff, j->d_ff, j->n, m0,
+                 m1, j->down_bias, j->row_weight, j->accumulate);
     else
-        j->fn(j->qtype, j->y, j->d_model, j->down, j->rb_ff, j->g, j->d_ff, j->d_ff, j->n, m0, m1,
-              j->down_bias, j->row_weight, j->accumulate);
+        j->fn_d(j->qt_d, j->y, j->d_model, j->down, j->rb_d, j->g, j->d_ff, j->d_ff, j->n, m0, m1,
+                j->down_bias, j->row_weight, j->accumulate);
 }
 
 int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const void *gate,
@@ -95,15 +98,33 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const vo
                    const float *up_bias, const float *down_bias, const float *row_weight,
                    int64_t n, int64_t d_model, int64_t d_ff, int act, float alpha, float limit,
                    int accumulate, void *qscratch, int nthreads) {
-    const int64_t rb_model = clb_row_nbytes(qtype, d_model), rb_ff = clb_row_nbytes(qtype, d_ff);
-    if (rb_model < 0) return (int)rb_model;
-    if (rb_ff < 0) return (int)rb_ff;
+    if (qscratch && qtype != CLB_QTYPE_Q4_0 && qtype != CLB_QTYPE_Q8_0 && !clb_is_kq(qtype))
+        return CLB_EQTYPE;
+    return clb_expert_ffn_mixed(qtype, qtype, qtype, y, scratch, x, gate, up, down, gate_bias,
+                                up_bias, down_bias, row_weight, n, d_model, d_ff, act, alpha,
+                                limit, accumulate, qscratch, nthreads);
+}
+
+int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,
+                         const void *gate, const void *up, const void *down,
+                         const float *gate_bias, const float *up_bias, const float *down_bias,
+                         const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                         int act, float alpha, float limit, int accumulate, void *qscratch,
+                         int nthreads) {
+    const int64_t rb_g = clb_row_nbytes(qt_g, d_model), rb_u = clb_row_nbytes(qt_u, d_model);
+    const int64_t rb_d = clb_row_nbytes(qt_d, d_ff);
+    if (rb_g < 0) return (int)rb_g;
+    if (rb_u < 0) return (int)rb_u;
+    if (rb_d < 0) return (int)rb_d;
     if (n < 0 || d_model <= 0 || d_ff <= 0 || act < CLB_ACT_SILU || act > CLB_ACT_SWIGLU_OAI)
         return CLB_EINVAL;
     if (n == 0) return CLB_OK;
-    if (qscratch && qtype != CLB_QTYPE_Q4_0 && qtype != CLB_QTYPE_Q8_0) return CLB_EQTYPE;
+    if (qscratch && (!clb_q8_act_supported(qt_g) || !clb_q8_act_supported(qt_u) ||
+                     !clb_q8_act_supported(qt_d)))
+        return CLB_EQTYPE;
+    if (qscratch && (d_model % QK || d_ff % QK)) return CLB_EBLOCK;
     if (!y || !scratch || !x || !gate || !up || !down) return CLB_EINVAL;
-    const int nt = clb_threads_for(nthreads, 3 * d_ff * rb_model * ((n + 3) / 4), d_ff);
+    const int nt = clb_threads_for(nthreads, (d_ff * (rb_g + rb_u) + d_model * rb_d) * ((n + 3) / 4), d_ff);
     const int64_t xrb_model = clb_row_nbytes(CLB_QTYPE_Q8_0, d_model);
     const int64_t xrb_ff = clb_row_nbytes(CLB_QTYPE_Q8_0, d_ff);
     int64_t ch_ff = clb_chunk_rows(d_ff, nt);
@@ -115,12 +136,14 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const vo
         clb_quantize_q8_0_blocks(xq, x, n * d_model / QK); /* rows are whole blocks */
     }
     const struct ffn_job j = {
-        .fn = clb_mm_rows_for_isa(), .qfn = clb_mmq_rows_for_isa(), .xq = xq, .hq = hq,
-        .xrb_model = xrb_model, .xrb_ff = xrb_ff, .qtype = qtype, .act = act, .accumulate = accumulate,
-        .alpha = alpha, .limit = limit, .y = y, .g = scratch, .u = scratch + n * d_ff, .x = x,
-        .gate_bias = gate_bias, .up_bias = up_bias, .down_bias = down_bias,
-        .row_weight = row_weight, .gate = gate, .up = up, .down = down, .n = n,
-        .d_model = d_model, .d_ff = d_ff, .rb_model = rb_model, .rb_ff = rb_ff,
+        .fn_g = clb_mm_rows_for(qt_g), .fn_u = clb_mm_rows_for(qt_u), .fn_d = clb_mm_rows_for(qt_d),
+        .qfn_g = clb_mmq_rows_for(qt_g), .qfn_u = clb_mmq_rows_for(qt_u),
+        .qfn_d = clb_mmq_rows_for(qt_d), .qt_g = qt_g, .qt_u = qt_u, .qt_d = qt_d,
+        .xq = xq, .hq = hq, .xrb_model = xrb_model, .xrb_ff = xrb_ff, .act = act,
+        .accumulate = accumulate, .alpha = alpha, .limit = limit, .y = y, .g = scratch,
+        .u = scratch + n * d_ff, .x = x, .gate_bias = gate_bias, .up_bias = up_bias,
+        .down_bias = down_bias, .row_weight = row_weight, .gate = gate, .up = up, .down = down,
+        .n = n, .d_model = d_model, .d_ff = d_ff, .rb_g = rb_g, .rb_u = rb_u, .rb_d = rb_d,
         .ch_ff = ch_ff, .ch_model = clb_chunk_rows(d_model, nt),
     };
     clb_parallel_for((d_ff + j.ch_ff - 1) / j.ch_ff, ffn_up_chunk, (void *)&j, nt);

@@ -9,6 +9,7 @@
 #include "colibri.h"
 #include "pool.h"
 #include "quant.h"
+#include "kquants.h"
 
 clb_mm_rows_fn clb_mm_rows_for_isa(void) {
     switch (clb_isa_get()) {
@@ -18,9 +19,19 @@ clb_mm_rows_fn clb_mm_rows_for_isa(void) {
     }
 }
 
+/* AVX512-VNNI (vpdpbusd) within the AVX-512 level: the same bits, fewer instructions. */
+static int has_vnni(void) {
+    static int v = -1;
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    }
+    return v;
+}
+
 clb_mmq_rows_fn clb_mmq_rows_for_isa(void) {
     switch (clb_isa_get()) {
-    case CLB_ISA_AVX512: return clb_mmq_rows_avx512;
+    case CLB_ISA_AVX512: return has_vnni() ? clb_mmq_rows_avx512vnni : clb_mmq_rows_avx512;
     case CLB_ISA_AVX2: return clb_mmq_rows_avx2;
     default: return clb_mmq_rows_ref;
     }
@@ -68,7 +79,7 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x, int64_t rows,
     if (rows < 0 || n < 0) return CLB_EINVAL;
     if (rows == 0 || n == 0) return CLB_OK;
     if (!y || !w || !x) return CLB_EINVAL;
-    const clb_mm_rows_fn fn = clb_mm_rows_for_isa();
+    const clb_mm_rows_fn fn = clb_mm_rows_for(qtype);
     /* batches are compute-heavier: count each group of 4 x rows as one more pass */
     const int nt = clb_threads_for(nthreads, rows * rb * ((n + 3) / 4), rows);
     if (nt == 1) {
@@ -97,13 +108,13 @@ static void mmq_chunk(void *ctx, int64_t c) {
 
 int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq, int64_t rows, int64_t cols,
                   int64_t n, int nthreads) {
-    if (qtype != CLB_QTYPE_Q4_0 && qtype != CLB_QTYPE_Q8_0) return CLB_EQTYPE;
+    if (!clb_q8_act_supported(qtype)) return CLB_EQTYPE;
     const int64_t rb = clb_row_nbytes(qtype, cols), xrb = clb_row_nbytes(CLB_QTYPE_Q8_0, cols);
     if (rb < 0) return (int)rb;
     if (rows < 0 || n < 0) return CLB_EINVAL;
     if (rows == 0 || n == 0) return CLB_OK;
     if (!y || !w || !xq) return CLB_EINVAL;
-    const clb_mmq_rows_fn fn = clb_mmq_rows_for_isa();
+    const clb_mmq_rows_fn fn = clb_mmq_rows_for(qtype);
     const int nt = clb_threads_for(nthreads, rows * rb * ((n + 3) / 4), rows);
     if (nt == 1) {
         fn(qtype, y, rows, w, rb, xq, xrb, cols, n, 0, rows, NULL, NULL, 0);

@@ -12,6 +12,7 @@
 #include "colibri.h"
 #include "pool.h"
 #include "quant.h"
+#include "kquants.h"
 
 /* Below this many elements quantize/dequantize stay on the calling thread; above, threads
  * take chunks of QUANT_CHUNK elements (fixed, so the bytes never depend on the thread count). */
@@ -50,6 +51,7 @@ int clb_qtype_block(int qtype, int64_t *block_elems, int64_t *block_bytes) {
 }
 
 int64_t clb_row_nbytes(int qtype, int64_t ncols) {
+    if (clb_is_kq(qtype)) return clb_kq_row_nbytes(qtype, ncols); /* kquants.c */
     int64_t e, b;
     int rc = clb_qtype_block(qtype, &e, &b);
     if (rc) return rc;
@@ -145,6 +147,7 @@ int clb_quantize(int qtype, void *out, const float *x, int64_t nrows, int64_t nc
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
     if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !x))) return CLB_EINVAL;
+    if (clb_is_kq(qtype)) return clb_kq_quantize(qtype, out, x, nrows, ncols);
     const int64_t n = nrows * ncols;
     uint8_t *o = out;
     if (qtype == CLB_QTYPE_F32) {
@@ -207,6 +210,7 @@ int clb_dequantize(int qtype, float *out, const void *data, int64_t nrows, int64
     int64_t rb = clb_row_nbytes(qtype, ncols);
     if (rb < 0) return (int)rb;
     if (nrows < 0 || (nrows > 0 && ncols > 0 && (!out || !data))) return CLB_EINVAL;
+    if (clb_is_kq(qtype)) return clb_kq_dequantize(qtype, out, data, nrows, ncols);
     const int64_t n = nrows * ncols;
     const uint8_t *p = data;
     int64_t e = 1, bb = 1;
@@ -257,7 +261,8 @@ void clb_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t
 
 /* ---- scalar twin of the Q8_0-activation matmul (clb_matmul_q8) -----------------------------
  * Per block the exact integer sum of w_q * x_q (Q4_0: w_q = nibble - 8), then in f32
- * s += isum * (d_w * d_x), block order; ggml_vec_dot_q4_0_q8_0 / _q8_0_q8_0 in scalar form. */
+ * s = fma(isum, d_w * d_x, s), block order; ggml_vec_dot_q4_0_q8_0 / _q8_0_q8_0 in scalar form.
+ * Every SIMD variant and batch size gives these bits (arch/matmul_q8.inc). */
 void clb_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                       const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                       int64_t r1, const float *bias, const float *scale, int accumulate) {
@@ -281,7 +286,7 @@ void clb_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
                 }
                 const float d = clb_f16_to_f32(clb_load_u16(wb)) *
                                 clb_f16_to_f32(clb_load_u16(&xb8->d));
-                s += (float)isum * d;
+                s = fmaf((float)isum, d, s); /* one rounding: the SIMD kernels' FMA, bit for bit */
             }
             if (bias) s += bias[r];
             float v = scale ? scale[i] * s : s;

@@ -97,6 +97,7 @@ typedef void (*clb_mmq_rows_fn)(int qtype, float *y, int64_t ldy, const uint8_t 
 CLB_DECLARE_MMQ(clb_mmq_rows_ref)
 CLB_DECLARE_MMQ(clb_mmq_rows_avx2)
 CLB_DECLARE_MMQ(clb_mmq_rows_avx512)
+CLB_DECLARE_MMQ(clb_mmq_rows_avx512vnni) /* same bits as the others (AVX512-VNNI vpdpbusd) */
 clb_mmq_rows_fn clb_mmq_rows_for_isa(void);
 
 /* nblk Q8_0 blocks from 32 * nblk floats, on the calling thread, at the current ISA level;
@@ -105,6 +106,7 @@ void clb_quantize_q8_0_blocks(void *out, const float *x, int64_t nblk);
 void clb_quantize_q8_0_ref(void *out, const float *x, int64_t nblk);
 void clb_quantize_q8_0_avx2(void *out, const float *x, int64_t nblk);
 void clb_quantize_q8_0_avx512(void *out, const float *x, int64_t nblk);
+void clb_quantize_q8_0_avx512vnni(void *out, const float *x, int64_t nblk);
 
 /* Threads for a job of `work_bytes` weight bytes (times batch), capped by the request. */
 int clb_threads_for(int nthreads, int64_t work_bytes, int64_t rows);

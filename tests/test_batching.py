@@ -69,9 +69,10 @@ KERNEL_CASES += [(QType.Q4_0, True), (QType.Q8_0, True)]  # Q8_0 activations: th
 @pytest.mark.parametrize(("qtype", "act_q8"), KERNEL_CASES)
 def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_q8):
     """Why "split" batches call the kernels per sequence and "fused" ones pad to 4 rows: the
-    SIMD matmuls block rows by count (groups of 4, 2, 1; the Q8_0-activation GEMM from 2-3
-    rows), so a row's result depends on how many rows share its call, but not when every call
-    has a multiple of 4 rows (then each row takes the same path)."""
+    f32-activation SIMD matmuls block rows by count (groups of 4, 2, 1), so a row's result
+    depends on how many rows share its call, but not when every call has a multiple of 4 rows
+    (then each row takes the same path). The Q8_0-activation kernels compute every row alike
+    whatever the count (tests/test_batch_invariance.py)."""
     if ops.ISA[isa.upper()] > ops.best_isa():
         pytest.skip(f"{isa} not available here")
     before = ops.isa()
@@ -93,7 +94,9 @@ def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_
             for start in (0, 1, 3):
                 assert np.array_equal(mm(x[start : start + n]), full[start : start + n])
         unpadded = [n for n in (1, 2, 3, 5, 6, 7) if not np.array_equal(mm(x[:n]), full[:n])]
-        if isa == "avx2" or qtype in (QType.Q4_0, QType.Q8_0):
+        if act_q8:  # the Q8_0-activation kernels are row-invariant at any row count
+            assert not unpadded
+        elif isa == "avx2" or qtype in (QType.Q4_0, QType.Q8_0):
             assert unpadded  # the reason padding is needed
     finally:
         ops.set_isa(before)
@@ -165,7 +168,9 @@ def test_prefix_cache_budget_evicts_oldest_blocks():
     from colibri.prefix_cache import PrefixCache
 
     attention = SimpleNamespace(mla=None, n_kv_heads=1, head_dim=4, v_head_dim=4)
-    Spec = SimpleNamespace(layers=[SimpleNamespace(attention=attention)])  # what allocate reads
+    Spec = SimpleNamespace(
+        layers=[SimpleNamespace(attention=attention, linear_attn=None)]
+    )  # what allocate reads
     kv = KVCache.allocate(Spec, 64)
     kv.k[0][:] = np.arange(64 * 4, dtype=np.float32).reshape(64, 1, 4)
     kv.v[0][:] = -kv.k[0]

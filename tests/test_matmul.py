@@ -117,6 +117,7 @@ def test_avx512_emulated(tmp_path):
     exe = str(tmp_path / "harness")
     subprocess.run([*flags, "-c", str(src), "-o", str(tmp_path / "a.o")], check=True)
     srcs = [os.path.join(EMU, "harness.c"), os.path.join(CSRC, "quant.c")]
+    srcs += [os.path.join(CSRC, "kquants.c")]  # quant.c's quantize/dequantize of the new types
     srcs += [os.path.join(CSRC, "pool.c"), os.path.join(CSRC, "isa.c")]
     subprocess.run([*flags, *srcs, str(tmp_path / "a.o"), "-o", exe, "-lm", "-pthread"],
                    check=True)  # fmt: skip

@@ -244,7 +244,7 @@ LIES = {
     ),
     "layout_qtype": (
         lambda m: m["expert_layout"].update(qtype="q4_0"),
-        r"expert_layout\.tensors\.gate\.qtype 'q8_0' != 'q4_0'",
+        r"expert_layout\.tensors\.gate\.qtype 'q8_0' differs from the layout's 'q4_0'",
     ),
     "expert_-1": (lambda m: m["experts"][1].update(expert=-1), r"experts\[1\]: .*expert -1"),
     "dense_not_object": (lambda m: m.update(dense=[]), r"field 'dense' is not an object"),

@@ -139,7 +139,7 @@ def _edit_manifest(path, fn):
 @pytest.mark.parametrize(
     "edit,pattern",
     [
-        (lambda m: m.update(version=2), r"store version 2, this colibri reads version 1"),
+        (lambda m: m.update(version=3), r"store version 3, this colibri reads versions 1, 2"),
         (lambda m: m.update(format="x"), r"manifest\.json: field 'format'"),
         (lambda m: m.pop("expert_layout"), r"manifest\.json: missing field 'expert_layout'"),
         (lambda m: m["experts"][1].update(offset=100), r"experts\[1\]\.offset 100 is not a"),
@@ -156,7 +156,7 @@ def _edit_manifest(path, fn):
             lambda m: m["expert_layout"]["tensors"]["down"].update(shape=[96, 64]),
             r"expert_layout\.tensors\.down\.nbytes|tensors\.down\.shape",
         ),
-        (lambda m: m["expert_layout"].update(qtype="q5_k"), r"expert_layout\.qtype: unknown"),
+        (lambda m: m["expert_layout"].update(qtype="q7_k"), r"expert_layout\.qtype: unknown"),
         (
             lambda m: m["dense"]["model.norm.weight"].update(shape=[32]),
             r"dense\.safetensors: tensor 'model\.norm\.weight' is BF16 \[64\], manifest",

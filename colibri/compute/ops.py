@@ -11,6 +11,7 @@ import enum
 import functools
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -25,14 +26,27 @@ except ImportError as exc:  # pragma: no cover - only without a build
 
 
 class QType(enum.IntEnum):
-    """Storage types; values equal GGML's ggml_type (and gguf.GGMLQuantizationType)."""
+    """Storage types; values equal GGML's ggml_type (and gguf.GGMLQuantizationType), except
+    FP8 (200, not a GGML type): float8 e4m3fn rows with an f32 scale per 128 columns (block
+    layouts: docs/FORMAT.md, csrc/kquants.h)."""
 
     F32 = 0
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
+    MXFP4 = 39
+    FP8 = 200
 
     @classmethod
     def parse(cls, name: str | int | QType) -> QType:
@@ -57,7 +71,7 @@ class ISA(enum.IntEnum):
 _ERRORS = {
     -1: "invalid size or pointer argument",
     -2: "unknown quant type",
-    -3: "number of columns is not a multiple of the block size (32)",
+    -3: "number of columns is not a multiple of the block size (32; 256 for K-quants, IQ4_XS)",
     -4: "instruction set not supported by this CPU or build",
 }
 
@@ -165,13 +179,20 @@ def _fp(a: np.ndarray | None):
 
 
 def quantize(x: np.ndarray, qtype: QType | str | int, out: np.ndarray | None = None) -> np.ndarray:
-    """Quantize float rows x[..., cols] to `qtype`, byte-identical to `gguf.quants.quantize`.
+    """Quantize float rows x[..., cols] to `qtype`, byte-identical to `gguf.quants.quantize`
+    for the types gguf quantizes (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4). Q4_K, Q5_K,
+    Q6_K: the algorithm of ggml's quantize_row_q*_K_ref (gguf has none). FP8: per 128x128
+    tile of the rows (counted from the first row of x flattened to 2-D: pass one matrix per
+    call), scale = amax / 448 and e4m3 = x / scale rounded to nearest even (DeepSeek-V3).
 
     Returns uint8 [..., row_nbytes(qtype, cols)] (written into `out` if given). x is converted
-    to C-contiguous float32 first (a copy only if needed). Raises KernelError for a bad shape,
-    cols not a multiple of 32 for block formats, or a wrong `out`.
+    to C-contiguous float32 first (a copy only if needed). Raises KernelError for a type not
+    in QUANTIZE_TYPES, a bad shape, cols not a multiple of the block size (32, 256 for the
+    K-quants) or a wrong `out`.
     """
     qt = QType.parse(qtype)
+    if qt not in QUANTIZE_TYPES:
+        raise KernelError(f"quantize: {qt.name} has no quantizer (an import-only type)")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim < 1:
         raise KernelError("quantize: x must have at least one dimension")
@@ -258,8 +279,11 @@ def matmul(
     return out
 
 
-# Weight types with an integer-dot path on Q8_0 activations (matmul_q8, expert_ffn(act_q8=True)).
-Q8_ACT_TYPES = frozenset((QType.Q4_0, QType.Q8_0))
+# Weight types with a path on Q8_0 activations (matmul_q8, expert_ffn(act_q8=True)): integer
+# dots for the GGML block types, f32 dots on the Q8_0 values for FP8.
+Q8_ACT_TYPES = frozenset(QType) - {QType.F32, QType.F16, QType.BF16, QType.Q4_1}
+# Types `quantize` can produce (the rest are import-only: GGUF / hub bytes kept as they are).
+QUANTIZE_TYPES = frozenset(QType) - {QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS}
 
 
 def quantize_act(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -275,16 +299,20 @@ def matmul_q8(
 ) -> np.ndarray:
     """out[n, rows] = xq[n, cols] @ W[rows, cols]^T on Q8_0-quantized activations (llama.cpp's
     CPU path, ggml_vec_dot_q4_0_q8_0 / ggml_vec_dot_q8_0_q8_0): per 32-weight block the exact
-    int8 x int8 dot, times f32(d_w) * f32(d_x), summed in f32.
+    int8 x int8 dot, times f32(d_w) * f32(d_x), summed in f32. The other Q8_ACT_TYPES: per 16
+    weights the exact dot of the weight levels with x's, times the sub-block scale (plus the
+    min times x's level sum) and d_x, in f32 (ggml's K-quant dots, on Q8_0 instead of Q8_K
+    activations); FP8: per block d_x * sum(w * q_x) in f32.
 
-    w: Q4_0 or Q8_0 bytes [rows, row_nbytes] (any C-contiguous buffer); xq: uint8
+    w: Q8_ACT_TYPES bytes [rows, row_nbytes] (any C-contiguous buffer); xq: uint8
     [n, row_nbytes(Q8_0, cols)] or 1-D, from quantize_act; out: float32 [n, rows] or [rows]
     (same ndim as xq). Runs with the GIL released, allocates nothing. Returns out.
     Raises KernelError for another weight type or any shape, dtype or size mismatch.
     """
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
     if qt not in Q8_ACT_TYPES:
-        raise KernelError(f"matmul_q8: weights must be Q4_0 or Q8_0, got {qt.name}")
+        valid = ", ".join(sorted(q.name for q in Q8_ACT_TYPES))
+        raise KernelError(f"matmul_q8: weights must be one of {valid}, got {qt.name}")
     if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
         raise KernelError("matmul_q8: xq must be a C-contiguous uint8 numpy array (Q8_0 blocks)")
     _f32(out, "matmul_q8: out", writable=True)
@@ -303,6 +331,23 @@ def matmul_q8(
     if rc:
         _check(rc, f"matmul_q8({qt.name}, rows={rows}, cols={cols}, n={n})")
     return out
+
+
+_tls = threading.local()
+
+
+_SCRATCH_KEEP = 8 << 20  # bytes: larger scratch (long prefill chunks) is not kept
+
+
+def _scratch(kind: str, size: int, dtype: type) -> np.ndarray:
+    """A per-thread buffer of >= size elements, kept between calls up to _SCRATCH_KEEP bytes
+    (decode allocates nothing): only for scratch that does not outlive the kernel call."""
+    buf = getattr(_tls, kind, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1), dtype)
+        if buf.nbytes <= _SCRATCH_KEEP:
+            setattr(_tls, kind, buf)
+    return buf
 
 
 def _opt_f32(a: np.ndarray | None, size: int, name: str) -> np.ndarray | None:
@@ -332,6 +377,7 @@ def expert_ffn(
     scratch: np.ndarray | None = None,
     act_q8: bool = False,
     nthreads: int = 0,
+    qtypes: tuple[QType | str | int, QType | str | int, QType | str | int] | None = None,
 ) -> np.ndarray:
     """One routed expert on n token rows: out (+)= row_weight * down(act(gate x, up x)).
 
@@ -341,12 +387,20 @@ def expert_ffn(
     g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF
     GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
     (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
-    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (allocated
-    if None; pass it to stay allocation-free). act_q8=True (Q4_0 / Q8_0 weights only): x and
+    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (None: a
+    per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
     h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
-    scratch is allocated here). Returns out. Raises KernelError on bad shapes, or act_q8 with
-    another weight type.
+    scratch is a per-thread buffer kept between calls). qtypes: (gate, up, down) storage types
+    when they differ (a record of a mixed GGUF quant); `qtype` is then ignored. Returns out.
+    Raises KernelError on bad shapes, or act_q8 with a weight type outside Q8_ACT_TYPES.
     """
+    if qtypes is not None:
+        return _expert_ffn_mixed(
+            out, x, gate, up, down, tuple(QType.parse(q) for q in qtypes), d_model, d_ff,
+            act=act, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
+            row_weight=row_weight, accumulate=accumulate, alpha=alpha, limit=limit,
+            scratch=scratch, act_q8=act_q8, nthreads=nthreads,
+        )  # fmt: skip
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
     n, cols, rows = _rows_x(x, out, "expert_ffn")
@@ -361,18 +415,19 @@ def expert_ffn(
     _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
     _opt_f32(row_weight, n, "expert_ffn: row_weight")
     if scratch is None:
-        scratch = np.empty(2 * n * d_ff, np.float32)
+        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
     elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
         raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
     qs = ffi.NULL
     if act_q8:
         if qt not in Q8_ACT_TYPES:
-            raise KernelError(f"expert_ffn: act_q8 needs Q4_0 or Q8_0 weights, got {qt.name}")
+            raise KernelError(f"expert_ffn: act_q8 needs Q8_ACT_TYPES weights, got {qt.name}")
         qs = ffi.from_buffer(
-            np.empty(
-                n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)), np.uint8
+            _scratch(
+                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
+                np.uint8,
             )
-        )
+        )  # fmt: skip
     rc = lib.clb_expert_ffn(
         qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
         ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
@@ -383,10 +438,89 @@ def expert_ffn(
     return out
 
 
+def _expert_ffn_mixed(
+    out: np.ndarray,
+    x: np.ndarray,
+    gate: Buffer,
+    up: Buffer,
+    down: Buffer,
+    qts: tuple[QType, ...],
+    d_model: int,
+    d_ff: int,
+    *,
+    act: Act | str | int,
+    gate_bias: np.ndarray | None,
+    up_bias: np.ndarray | None,
+    down_bias: np.ndarray | None,
+    row_weight: np.ndarray | None,
+    accumulate: bool,
+    alpha: float,
+    limit: float,
+    scratch: np.ndarray | None,
+    act_q8: bool,
+    nthreads: int,
+) -> np.ndarray:
+    """expert_ffn with a storage type per tensor (clb_expert_ffn_mixed); see expert_ffn."""
+    if len(qts) != 3:
+        raise KernelError(f"expert_ffn: qtypes must be (gate, up, down), got {len(qts)} types")
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, "expert_ffn")
+    if cols != d_model or rows != d_model:
+        raise KernelError(f"expert_ffn: x {x.shape} and out {out.shape} need d_model={d_model}")
+    g_qt, u_qt, d_qt = qts
+    for name, buf, qt, want in (
+        ("gate", gate, g_qt, d_ff * _row_nbytes(g_qt, d_model)),
+        ("up", up, u_qt, d_ff * _row_nbytes(u_qt, d_model)),
+        ("down", down, d_qt, d_model * _row_nbytes(d_qt, d_ff)),
+    ):
+        if (got := _nbytes(buf, f"expert_ffn: {name}")) != want:
+            raise KernelError(f"expert_ffn: {name} has {got} bytes, {qt.name} needs {want}")
+    _opt_f32(gate_bias, d_ff, "expert_ffn: gate_bias")
+    _opt_f32(up_bias, d_ff, "expert_ffn: up_bias")
+    _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
+    _opt_f32(row_weight, n, "expert_ffn: row_weight")
+    if scratch is None:
+        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
+    elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
+        raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
+    qs = ffi.NULL
+    if act_q8:
+        if bad := [q.name for q in qts if q not in Q8_ACT_TYPES]:
+            raise KernelError(f"expert_ffn: act_q8 needs Q8_ACT_TYPES weights, got {bad}")
+        qs = ffi.from_buffer(
+            _scratch(
+                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
+                np.uint8,
+            )
+        )  # fmt: skip
+    rc = lib.clb_expert_ffn_mixed(
+        g_qt, u_qt, d_qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate),
+        ffi.from_buffer(up), ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias),
+        _fp(down_bias), _fp(row_weight), n, d_model, d_ff, a, alpha, limit, bool(accumulate),
+        qs, nthreads,
+    )  # fmt: skip
+    if rc:
+        names = "/".join(q.name for q in qts)
+        _check(rc, f"expert_ffn({names}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    return out
+
+
+def mem_read(buf: Buffer, nthreads: int = 0) -> int:
+    """Read every byte of `buf` (any C-contiguous buffer) once with vector loads on nthreads
+    threads (<= 0: default_threads()), GIL released; returns the XOR of its 64-bit words
+    (little-endian; a tail of < 8 bytes XORed in bytewise), which makes the reads observable.
+    Time it for the streaming read bandwidth (bench/, DESIGN.md §8)."""
+    nbytes = _nbytes(buf, "mem_read: buf")
+    out = ffi.new("int64_t *")
+    _check(lib.clb_mem_read(out, ffi.from_buffer(buf), nbytes, nthreads), "mem_read")
+    return int(out[0]) & 0xFFFFFFFFFFFFFFFF
+
+
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 
-_F32 = (np.dtype(np.float32),)
+# dtype tuples for _arr (_F32 above stays a dtype: _rows_x's fast path compares with it)
+_F32S = (np.dtype(np.float32),)
 _F32_F16 = (np.dtype(np.float32), np.dtype(np.float16))
 _I32 = (np.dtype(np.int32),)
 
@@ -394,7 +528,7 @@ _I32 = (np.dtype(np.int32),)
 def _arr(
     a: object,
     name: str,
-    dtypes: tuple[np.dtype, ...] = _F32,
+    dtypes: tuple[np.dtype, ...] = _F32S,
     *,
     ndim: int | None = None,
     writable: bool = False,

@@ -10,8 +10,16 @@ import numpy as np
 # wrappers only add colibri's [rows, row_nbytes] byte layout.
 
 
+FP8 = 200  # colibri's FP8 rows (not a GGML type): ops.QType.FP8
+FP8_BLOCK = 128
+# types gguf.quants.quantize implements: f32 f16 q4_0 q4_1 q5_0 q5_1 q8_0 bf16 mxfp4 (the
+# K-quants and IQ4 types it only dequantizes)
+GGUF_QUANTIZE = frozenset((0, 1, 2, 3, 6, 7, 8, 30, 39))
+
+
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
-    """x float [..., cols] -> uint8 [..., row_nbytes] exactly as `gguf.quants.quantize`."""
+    """x float [..., cols] -> uint8 [..., row_nbytes] exactly as `gguf.quants.quantize` (for the
+    types in GGUF_QUANTIZE; gguf raises NotImplementedError for the others)."""
     import gguf
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -20,11 +28,89 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
 
 
 def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
-    """uint8 bytes of a tensor of `shape` -> float32 `shape` via `gguf.quants.dequantize`."""
+    """uint8 bytes of a tensor of `shape` -> float32 `shape` via `gguf.quants.dequantize`, or
+    for FP8 rows `fp8_dequantize`."""
     import gguf
 
+    if int(qtype) == FP8:
+        return fp8_dequantize(data, shape)
     raw = np.frombuffer(memoryview(data).cast("B"), np.uint8).reshape(*shape[:-1], -1)
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype))).reshape(shape)
+
+
+def e4m3_to_f32(b: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bytes (uint8) -> float32, by the format's definition: bias 7, exponent 0
+    subnormal (m / 8 * 2^-6), S.1111.111 NaN, no infinities."""
+    b = np.asarray(b, np.uint8)
+    e = ((b >> 3) & 15).astype(np.int32)
+    m = (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
+    v = np.where((e == 15) & (b & 7 == 7), np.nan, v)
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+def fp8_dequantize(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """FP8 rows (docs/FORMAT.md: ceil(cols / 128) f32 scales, then cols e4m3fn bytes) of a
+    tensor of `shape` -> float32: e4m3 value * its block's scale, as DeepSeek-V3's
+    weight_dequant (w.float() * scale_inv)."""
+    cols = shape[-1]
+    ns = -(-cols // FP8_BLOCK)
+    raw = np.frombuffer(memoryview(data).cast("B"), np.uint8).reshape(-1, 4 * ns + cols)
+    scales = raw[:, : 4 * ns].copy().view(np.float32)
+    vals = e4m3_to_f32(raw[:, 4 * ns :])
+    return (vals * np.repeat(scales, FP8_BLOCK, axis=1)[:, :cols]).reshape(shape)
+
+
+# (byte offset, kind) of the scale fields of each block type, which random test blocks set to
+# sane values (kind "f16": a positive half in [1e-3, 5e-2]; "e8m0": an exponent near 2^0)
+_SCALE_FIELDS = {
+    6: [(0, "f16")],  # q5_0
+    7: [(0, "f16"), (2, "f16")],  # q5_1 (d, m)
+    10: [(80, "f16"), (82, "f16")],  # q2_k (d, dmin)
+    11: [(108, "f16")],  # q3_k
+    12: [(0, "f16"), (2, "f16")],  # q4_k
+    13: [(0, "f16"), (2, "f16")],  # q5_k
+    14: [(208, "f16")],  # q6_k
+    20: [(0, "f16")],  # iq4_nl
+    23: [(0, "f16")],  # iq4_xs
+    39: [(0, "e8m0")],  # mxfp4
+}
+
+
+def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int) -> np.ndarray:
+    """Random valid stored rows uint8 [rows, row_nbytes] of a block type: random bytes with the
+    scale fields set to sane values (FP8: scales in [1e-3, 1e-1], e4m3 bytes without NaN)."""
+    import gguf
+
+    if int(qtype) == FP8:
+        ns = -(-cols // FP8_BLOCK)
+        sc = rng.uniform(1e-3, 1e-1, (rows, ns)).astype(np.float32).view(np.uint8)
+        v = rng.integers(0, 255, (rows, cols), dtype=np.uint8)
+        v[(v & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+        return np.concatenate([sc, v], axis=1)
+    bs, tb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
+    raw = rng.integers(0, 256, (rows, cols // bs, tb), dtype=np.uint8)
+    for off, kind in _SCALE_FIELDS.get(int(qtype), []):
+        if kind == "f16":
+            h = rng.uniform(1e-3, 5e-2, raw.shape[:2]).astype(np.float16)
+            raw[..., off : off + 2] = h.view(np.uint8).reshape(*raw.shape[:2], 2)
+        else:
+            raw[..., off] = rng.integers(120, 130, raw.shape[:2])
+    return raw.reshape(rows, -1)
+
+
+def weights(
+    rng: np.random.Generator, qtype: int, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(stored bytes [rows, row_nbytes], dequantized float32 [rows, cols]) for kernel tests:
+    gguf's quantizer on random rows of varied scale where gguf has one (GGUF_QUANTIZE), else
+    random valid blocks (random_blocks); dequantized by gguf (FP8: fp8_dequantize)."""
+    if int(qtype) in GGUF_QUANTIZE:
+        w = rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))
+        data = quantize(w.astype(np.float32), qtype)
+    else:
+        data = random_blocks(rng, qtype, rows, cols)
+    return data, dequantize(data, qtype, (rows, cols))
 
 
 def matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:

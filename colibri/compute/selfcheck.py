@@ -54,9 +54,7 @@ def matmul_err(y: np.ndarray, want: np.ndarray, x: np.ndarray, w: np.ndarray) ->
 
 
 def _weights(rng: np.random.Generator, qt: ops.QType, rows: int, cols: int):
-    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
-    data = ref.quantize(w, qt)
-    return data, ref.dequantize(data, qt, (rows, cols))
+    return ref.weights(rng, int(qt), rows, cols)
 
 
 @register
@@ -65,6 +63,13 @@ def check_quant(rng: np.random.Generator) -> list[CheckResult]:
     out = []
     for qt in ops.QType:
         x = (rng.standard_normal((8, 256)) * rng.uniform(1e-3, 1e3, (8, 1))).astype(np.float32)
+        if int(qt) not in ref.GGUF_QUANTIZE:  # no gguf quantizer: decoding only
+            want = ref.random_blocks(rng, int(qt), 8, 256)
+            deq = ops.dequantize(want, qt, x.shape)
+            bits = ref.dequantize(want, qt, x.shape)
+            err = float(np.mean(deq.view(np.uint32) != bits.view(np.uint32)))
+            out.append(CheckResult("dequantize", qt.name, err, 0.0))
+            continue
         q = ops.quantize(x, qt)
         want = ref.quantize(x, qt)
         out.append(CheckResult("quantize", qt.name, float(np.mean(q != want)), 0.0))
@@ -79,7 +84,7 @@ def check_matmul(rng: np.random.Generator) -> list[CheckResult]:
     """matmul vs float64 numpy on the dequantized weights (err: see matmul_err)."""
     out = []
     for qt in ops.QType:
-        cols = 256 if qt in (ops.QType.Q4_0, ops.QType.Q4_1, ops.QType.Q8_0) else 250
+        cols = 250 if qt in (ops.QType.F32, ops.QType.F16, ops.QType.BF16, ops.QType.FP8) else 256
         data, w = _weights(rng, qt, 37, cols)
         for n in (1, 5, 16):
             x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -111,7 +116,7 @@ def check_expert_ffn(rng: np.random.Generator) -> list[CheckResult]:
     """expert_ffn with biases and routing weights vs float64 numpy (relative L2 error)."""
     out = []
     d_model, d_ff, n = 128, 96, 3
-    for qt in (ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.BF16):
+    for qt in (ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.BF16, ops.QType.Q5_1, ops.QType.FP8):
         (g, gf), (u, uf), (d, df) = (
             _weights(rng, qt, d_ff, d_model),
             _weights(rng, qt, d_ff, d_model),

@@ -93,15 +93,15 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _statistics(engine: Engine, c0: Any, counters: scoring.Counters) -> dict[str, Any]:
-    c1 = engine.statistics()["cache"]
-    hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
+def _statistics(engine: Engine, s0: Any, counters: scoring.Counters) -> dict[str, Any]:
+    d = engine.statistics(components=False).delta(s0)
+    hits, misses = d.expert_hits, d.expert_misses
     return {
         "tokens": counters.tokens,
         "seconds": round(counters.seconds, 3),
         "tokens_per_second": counters.tokens / counters.seconds if counters.seconds else 0.0,
         "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-        "bytes_read": c1.bytes_read - c0.bytes_read,
+        "bytes_read": d.bytes_read,
     }
 
 
@@ -133,7 +133,7 @@ async def eval_perplexity(
     statistics. Raises EvalError (no tokenizer, text shorter than one window)."""
     tokens, bos = scoring.text_tokens(_tokenizer(engine), text)
     n_windows = len(tokens) // n_ctx if limit is None else min(limit, len(tokens) // n_ctx)
-    c0 = engine.statistics()["cache"]
+    c0 = engine.statistics(components=False)
     bar = _progress(n_windows, "window") if show_progress and n_windows else None
     try:
         res = await scoring.perplexity(
@@ -183,7 +183,7 @@ async def eval_choice(
     )  # fmt: skip
     tok = _tokenizer(engine)
     counters = scoring.Counters()
-    c0 = engine.statistics()["cache"]
+    c0 = engine.statistics(components=False)
     items = []
     bar = _progress(len(requests), "item") if show_progress else None
     try:

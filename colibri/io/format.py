@@ -23,7 +23,8 @@ from colibri.errors import StoreError
 from colibri.io.config import ConfigError, check_config, num_experts, text_view
 
 FORMAT_NAME = "colibri-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tensor qtypes (mixed layouts) and per-layer layouts
+READ_VERSIONS = (1, 2)  # version 1 stores (one layout, one qtype) still open
 RECORD_ALIGN = 4096  # records start and end on this boundary (O_DIRECT)
 TENSOR_ALIGN = 64  # tensors inside a record start on this boundary
 MANIFEST = "manifest.json"
@@ -37,8 +38,26 @@ QTYPES: dict[str, tuple[int, int]] = {
     "q4_0": (32, 18),  # f16 d, 16 bytes: nibble j = weight j (low), j+16 (high)
     "q4_1": (32, 20),  # f16 d, f16 m, 16 bytes of nibbles as q4_0
     "q8_0": (32, 34),  # f16 d, 32 int8
+    # issue 15 (csrc/kquants.h has the field order of each block):
+    "q5_0": (32, 22),  # f16 d, u32 qh (5th bits), 16 bytes of low nibbles as q4_0
+    "q5_1": (32, 24),  # f16 d, f16 m, u32 qh, 16 bytes of nibbles
+    "q2_k": (256, 84),  # 16 bytes of 4-bit scale|min, 64 bytes of 2-bit q, f16 d, f16 dmin
+    "q3_k": (256, 110),  # 32 bytes hmask, 64 bytes 2-bit q, 12 bytes 6-bit scales, f16 d
+    "q4_k": (256, 144),  # f16 d, f16 dmin, 12 bytes 6-bit scales/mins, 128 bytes nibbles
+    "q5_k": (256, 176),  # as q4_k plus 32 bytes of 5th bits before the nibbles
+    "q6_k": (256, 210),  # 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, f16 d
+    "mxfp4": (32, 17),  # e8m0 scale byte, 16 bytes of e2m1 nibbles (GGML's block_mxfp4)
+    "iq4_nl": (32, 18),  # f16 d, 16 bytes of nibbles indexing the IQ4_NL value table
+    "iq4_xs": (256, 136),  # f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
+    # not a GGML type: a row is ceil(cols / 128) f32 scales, then cols float8_e4m3fn bytes
+    # (a tensor's 128x128 block scales repeated on each of the block's rows); see row_nbytes
+    "fp8": (1, 1),
 }
-BLOCK_QTYPES = ("q4_0", "q4_1", "q8_0")
+BLOCK_QTYPES = tuple(q for q in QTYPES if q not in ("f32", "f16", "bf16"))  # stored as U8 rows
+# no quantizer from float (GGUF bytes are imported as they are); the rest are --quant choices
+IMPORT_ONLY_QTYPES = ("q2_k", "q3_k", "iq4_nl", "iq4_xs")
+FP8_BLOCK = 128  # fp8: columns per scale, and rows per scale block of the source tensor
+MIXED = "mixed"  # ExpertLayout.qtype when gate, up and down differ
 EXPERT_TENSORS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 _HEX64 = re.compile(r"[0-9a-fA-F]{16}")
@@ -46,9 +65,12 @@ _HEX64 = re.compile(r"[0-9a-fA-F]{16}")
 
 def row_nbytes(qtype: str, ncols: int) -> int:
     """Bytes of one row of `ncols` weights in `qtype`. Raises StoreError for an unknown qtype
-    or a block format whose `ncols` is not a multiple of the block size (32)."""
+    or a block format whose `ncols` is not a multiple of the block size (32, or 256 for the
+    K-quants and iq4_xs; fp8 takes any `ncols`)."""
     if not isinstance(qtype, str) or qtype not in QTYPES:
         raise StoreError(f"unknown qtype {qtype!r} (valid: {', '.join(QTYPES)})")
+    if qtype == "fp8":
+        return 4 * -(-ncols // FP8_BLOCK) + ncols
     block, nbytes = QTYPES[qtype]
     if ncols % block:
         raise StoreError(f"{qtype} needs a multiple of {block} columns, got {ncols}")
@@ -106,9 +128,11 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """The layout shared by every record: `qtype` of the weights, `d_model`, `d_ff` (the
-    expert's intermediate size), `record_nbytes` (a multiple of RECORD_ALIGN) and the tensors
-    by name (gate, up, down, then optional f32 gate_bias, up_bias, down_bias)."""
+    """The layout of a record: `qtype` of the weights (MIXED = "mixed" when gate, up and down
+    differ; each tensor's own type is `tensors[name].qtype`), `d_model`, `d_ff` (the expert's
+    intermediate size), `record_nbytes` (a multiple of RECORD_ALIGN) and the tensors by name
+    (gate, up, down, then optional f32 gate_bias, up_bias, down_bias). A store has one default
+    layout and, from version 2, optional per-layer ones (Store.layout_for)."""
 
     qtype: str
     d_model: int
@@ -116,15 +140,34 @@ class ExpertLayout:
     record_nbytes: int
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
 
+    @property
+    def weight_qtypes(self) -> tuple[str, str, str]:
+        """(gate, up, down) storage types."""
+        return tuple(self.tensors[n].qtype for n in ("gate", "up", "down"))  # type: ignore[return-value]
+
     @classmethod
-    def build(cls, qtype: str, d_model: int, d_ff: int, biases: bool = False) -> ExpertLayout:
+    def build(
+        cls,
+        qtype: str,
+        d_model: int,
+        d_ff: int,
+        biases: bool = False,
+        *,
+        qtypes: dict[str, str] | None = None,
+    ) -> ExpertLayout:
         """The canonical layout: gate [d_ff, d_model], up [d_ff, d_model], down [d_model, d_ff]
-        in `qtype`, then (if `biases`) f32 gate_bias [d_ff], up_bias [d_ff], down_bias
-        [d_model]; each on a TENSOR_ALIGN boundary, the whole padded to RECORD_ALIGN."""
+        in `qtype` (or per tensor `qtypes[name]`, e.g. {"down": "q6_k"} for a Q4_K_M layer),
+        then (if `biases`) f32 gate_bias [d_ff], up_bias [d_ff], down_bias [d_model]; each on
+        a TENSOR_ALIGN boundary, the whole padded to RECORD_ALIGN. Raises StoreError for an
+        unknown tensor name or qtype, or a shape the qtype's block size does not divide."""
+        qtypes = dict(qtypes or {})
+        if bad := sorted(set(qtypes) - {"gate", "up", "down"}):
+            raise StoreError(f"expert layout: qtypes for unknown tensors {bad}")
+        types = {n: qtypes.get(n, qtype) for n in ("gate", "up", "down")}
         shapes: list[tuple[str, tuple[int, ...], str]] = [
-            ("gate", (d_ff, d_model), qtype),
-            ("up", (d_ff, d_model), qtype),
-            ("down", (d_model, d_ff), qtype),
+            ("gate", (d_ff, d_model), types["gate"]),
+            ("up", (d_ff, d_model), types["up"]),
+            ("down", (d_model, d_ff), types["down"]),
         ]
         if biases:
             shapes += [
@@ -138,7 +181,8 @@ class ExpertLayout:
             nb = tensor_nbytes(qt, shape)
             tensors[name] = TensorSpec(off, nb, shape, qt)
             off += nb
-        return cls(qtype, d_model, d_ff, align_up(off, RECORD_ALIGN), tensors)
+        common = types["gate"] if len(set(types.values())) == 1 else MIXED
+        return cls(common, d_model, d_ff, align_up(off, RECORD_ALIGN), tensors)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -258,8 +302,10 @@ class Store:
     """An opened, validated store (see docs/FORMAT.md). Use `open_store(path)`.
 
     Attributes: `path`, `manifest` (dict), `config` (the checkpoint's config dict),
-    `model_type`, `layout` (ExpertLayout), `experts_path`, `records` (all ExpertRecords,
-    layer-major), `moe_layers` (sorted layer ids that have experts), `num_experts`.
+    `model_type`, `layout` (the default ExpertLayout; its record_nbytes is the largest record,
+    the slot size), `layouts` ({layer: ExpertLayout} for layers whose layout differs, version
+    2; use `layout_for(layer)`), `experts_path`, `records` (all ExpertRecords, layer-major),
+    `moe_layers` (sorted layer ids that have experts), `num_experts`.
     """
 
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
@@ -275,12 +321,13 @@ class Store:
         if not isinstance(self.model_type, str):
             raise StoreError(f"{mpath}: field 'model_type' is not a string")
         self.layout = _parse_layout(_need(manifest, "expert_layout", f"{mpath}"), mpath)
+        self.layouts = _parse_layer_layouts(manifest.get("expert_layouts", {}), self.layout, mpath)
         self.experts_path = path / _file_name(manifest, "experts_file", None, mpath)
         self.dense_path = path / _file_name(manifest, "dense_file", "dense.safetensors", mpath)
         self._dense_meta: dict[str, Any] = _need(manifest, "dense", f"{mpath}")
         if not isinstance(self._dense_meta, dict):
             raise StoreError(f"{mpath}: field 'dense' is not an object")
-        self.records: list[ExpertRecord] = _parse_records(manifest, self.layout, mpath)
+        self.records: list[ExpertRecord] = _parse_records(manifest, self.layout_for, mpath)
         self._index = {(r.layer, r.expert): r for r in self.records}
         self.moe_layers: list[int] = sorted({r.layer for r in self.records})
         self.num_experts: int = 1 + max((r.expert for r in self.records), default=-1)
@@ -391,6 +438,10 @@ class Store:
         return header, start
 
     # ---- access -------------------------------------------------------------------------
+
+    def layout_for(self, layer: int) -> ExpertLayout:
+        """The ExpertLayout of `layer`'s records (the default `layout` unless overridden)."""
+        return self.layouts.get(layer, self.layout)
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
         """The record of (`layer`, `expert`); KeyError if the store has none."""
@@ -527,14 +578,14 @@ class Store:
         )
 
 
-def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
-    where = f"{mpath}: expert_layout"
+def _parse_layout(d: dict[str, Any], mpath: Path, where: str = "") -> ExpertLayout:
+    where = where or f"{mpath}: expert_layout"
     if not isinstance(d, dict):
         raise StoreError(f"{where}: not an object")
     qtype, raw = _field(d, "qtype", where), _field(d, "tensors", where)
     d_model, d_ff = _int_field(d, "d_model", where), _int_field(d, "d_ff", where)
     rec = _int_field(d, "record_nbytes", where)
-    if not isinstance(qtype, str) or qtype not in QTYPES:
+    if not isinstance(qtype, str) or (qtype not in QTYPES and qtype != MIXED):
         raise StoreError(f"{where}.qtype: unknown qtype {qtype!r}")
     if not isinstance(raw, dict):
         raise StoreError(f"{where}.tensors: not an object")
@@ -563,9 +614,15 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         )
         if not isinstance(spec.qtype, str) or spec.qtype not in QTYPES:
             raise StoreError(f"{w}.qtype: unknown qtype {spec.qtype!r}")
+        if name in ("gate", "up", "down") and qtype not in (MIXED, spec.qtype):
+            raise StoreError(f"{w}.qtype {spec.qtype!r} differs from the layout's {qtype!r}")
         if spec.offset < 0 or spec.offset % TENSOR_ALIGN:
             raise StoreError(f"{w}.offset {spec.offset} is not a multiple of {TENSOR_ALIGN}")
-        if spec.nbytes != tensor_nbytes(spec.qtype, spec.shape):
+        try:
+            want_nb = tensor_nbytes(spec.qtype, spec.shape)
+        except StoreError as exc:
+            raise StoreError(f"{w}: {exc}") from None
+        if spec.nbytes != want_nb:
             raise StoreError(f"{w}.nbytes {spec.nbytes} does not match {spec.qtype} {spec.shape}")
         if spec.offset + spec.nbytes > rec:
             raise StoreError(f"{w} ends at {spec.offset + spec.nbytes} > record_nbytes {rec}")
@@ -579,7 +636,7 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
         "down_bias": (d_model,),
     }
     for name, spec in tensors.items():
-        need = qtype if name in ("gate", "up", "down") else "f32"
+        need = "f32" if name.endswith("_bias") else spec.qtype  # weights: checked above
         if spec.qtype != need:
             raise StoreError(f"{where}.tensors.{name}.qtype {spec.qtype!r} != {need!r}")
         if spec.shape != want[name]:
@@ -591,8 +648,55 @@ def _parse_layout(d: dict[str, Any], mpath: Path) -> ExpertLayout:
     return ExpertLayout(qtype, d_model, d_ff, rec, tensors)
 
 
+def _parse_layer_layouts(raw: Any, default: ExpertLayout, mpath: Path) -> dict[int, ExpertLayout]:
+    """manifest "expert_layouts" {"<layer>": layout}: per-layer layouts (version 2), each of
+    the default's d_model / d_ff and at most its record_nbytes (the slot size)."""
+    where = f"{mpath}: expert_layouts"
+    if not isinstance(raw, dict):
+        raise StoreError(f"{where}: must be an object of layer -> layout")
+    out: dict[int, ExpertLayout] = {}
+    for key, d in raw.items():
+        try:
+            layer = int(key)
+        except ValueError:
+            raise StoreError(f"{where}: key {key!r} is not a layer number") from None
+        lay = _parse_layout(d, mpath, f"{where}.{key}")
+        if (lay.d_model, lay.d_ff) != (default.d_model, default.d_ff):
+            raise StoreError(
+                f"{where}.{key}: d_model/d_ff {lay.d_model}/{lay.d_ff} differ from "
+                f"expert_layout's {default.d_model}/{default.d_ff}"
+            )
+        if lay.record_nbytes > default.record_nbytes:
+            raise StoreError(
+                f"{where}.{key}.record_nbytes {lay.record_nbytes} exceeds expert_layout's "
+                f"{default.record_nbytes} (the default layout must have the largest records)"
+            )
+        out[layer] = lay
+    return out
+
+
+def plan_layouts(
+    per_layer: dict[int, ExpertLayout],
+) -> tuple[ExpertLayout, dict[int, ExpertLayout]]:
+    """Split the layouts of every MoE layer into (default, overrides) for StoreWriter: the
+    default is the layout with the largest records (the most common among those), so no
+    record is padded; overrides are the layers whose layout differs from it. Raises
+    StoreError for an empty mapping."""
+    if not per_layer:
+        raise StoreError("plan_layouts: no layers")
+    counts: dict[str, int] = {}
+    for lay in per_layer.values():
+        key = json.dumps(lay.to_json(), sort_keys=True)
+        counts[key] = counts.get(key, 0) + 1
+    default = max(
+        per_layer.values(),
+        key=lambda lay: (lay.record_nbytes, counts[json.dumps(lay.to_json(), sort_keys=True)]),
+    )
+    return default, {k: v for k, v in per_layer.items() if v != default}
+
+
 def _parse_records(
-    manifest: dict[str, Any], layout: ExpertLayout, mpath: Path
+    manifest: dict[str, Any], layout_for: Callable[[int], ExpertLayout], mpath: Path
 ) -> list[ExpertRecord]:
     if manifest.get("checksum", CHECKSUM) != CHECKSUM:
         raise StoreError(f"{mpath}: checksum {manifest['checksum']!r} unsupported ({CHECKSUM})")
@@ -617,8 +721,8 @@ def _parse_records(
             raise StoreError(f"{w}: layer {r.layer} / expert {r.expert} must be >= 0")
         if r.offset < 0 or r.offset % RECORD_ALIGN:
             raise StoreError(f"{w}.offset {r.offset} is not a multiple of {RECORD_ALIGN}")
-        if r.nbytes != layout.record_nbytes:
-            raise StoreError(f"{w}.nbytes {r.nbytes} != record_nbytes {layout.record_nbytes}")
+        if r.nbytes != (want := layout_for(r.layer).record_nbytes):
+            raise StoreError(f"{w}.nbytes {r.nbytes} != record_nbytes {want}")
         if r.offset < prev_end:
             raise StoreError(f"{w}: overlaps the previous record (records must be in order)")
         if (r.layer, r.expert) in seen:
@@ -650,10 +754,13 @@ def open_store(path: str | os.PathLike[str]) -> Store:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise StoreError(f"{mpath}: field 'format' is not {FORMAT_NAME!r}")
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise StoreError(
-            f"{mpath}: store version {version!r}, this colibri reads version {FORMAT_VERSION}"
+            f"{mpath}: store version {version!r}, this colibri reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))} (a newer colibri wrote it?)"
         )
+    if version == 1 and "expert_layouts" in manifest:
+        raise StoreError(f"{mpath}: 'expert_layouts' needs store version 2, manifest says 1")
     return Store(path, manifest)
 
 
@@ -679,9 +786,18 @@ class StoreWriter:
     Order of use: `begin_dense(plan)`, then `write_dense` for each planned tensor in plan
     order, interleaved freely with `write_expert` / `write_record` (records in layer-major,
     expert order), `add_file` for tokenizer files, then `finish(...)`.
-    Raises StoreError if `out` exists and `force` is false."""
+    `layouts`: {layer: ExpertLayout} for layers whose records differ from `layout` (mixed
+    quants; see plan_layouts), each with record_nbytes <= layout.record_nbytes.
+    Raises StoreError if `out` exists and `force` is false, or for an oversized override."""
 
-    def __init__(self, out: str | os.PathLike[str], layout: ExpertLayout, *, force: bool = False):
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        layout: ExpertLayout,
+        *,
+        force: bool = False,
+        layouts: dict[int, ExpertLayout] | None = None,
+    ):
         import tempfile
 
         self.out = Path(out)
@@ -692,6 +808,20 @@ class StoreWriter:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
         self.layout = layout
+        self.layouts = dict(layouts or {})
+        for layer, lay in self.layouts.items():
+            if lay.record_nbytes > layout.record_nbytes or (lay.d_model, lay.d_ff) != (
+                layout.d_model,
+                layout.d_ff,
+            ):
+                import shutil
+
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise StoreError(
+                    f"layer {layer}: layout of {lay.record_nbytes} bytes (d_model {lay.d_model},"
+                    f" d_ff {lay.d_ff}) does not fit the default layout's {layout.record_nbytes}"
+                    f" (d_model {layout.d_model}, d_ff {layout.d_ff}); see plan_layouts"
+                )
         self.records: list[dict[str, Any]] = []
         self.files: list[str] = []
         self._experts = open(self.tmp / "experts.bin", "wb")  # noqa: SIM115
@@ -700,6 +830,7 @@ class StoreWriter:
         self._next = 0
         self._written = 0
         self._buf = bytearray(layout.record_nbytes)
+        self._buf_layout = layout
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -751,8 +882,12 @@ class StoreWriter:
     def write_expert(self, layer: int, expert: int, parts: dict[str, Any]) -> None:
         """Pack one expert's tensors (name -> bytes-like of exactly the layout's nbytes) into a
         zero-padded record and append it."""
-        buf = self._buf  # gaps between tensors are never written, so they stay zero
-        for name, spec in self.layout.tensors.items():
+        lay = self.layouts.get(layer, self.layout)
+        if lay is not self._buf_layout:  # another layout's tensors may sit in this one's gaps
+            self._buf[:] = bytes(len(self._buf))
+            self._buf_layout = lay
+        buf = memoryview(self._buf)[: lay.record_nbytes]
+        for name, spec in lay.tensors.items():
             if name not in parts:
                 raise StoreError(f"layer {layer} expert {expert}: tensor {name!r} missing")
             raw = memoryview(np.ascontiguousarray(parts[name])).cast("B")
@@ -767,8 +902,9 @@ class StoreWriter:
     def write_record(self, layer: int, expert: int, record: Any) -> None:
         """Append one whole record (record_nbytes bytes, padding included)."""
         view = memoryview(record).cast("B")
-        if view.nbytes != self.layout.record_nbytes:
-            raise StoreError(f"record {layer}/{expert}: {view.nbytes} bytes")
+        want = self.layouts.get(layer, self.layout).record_nbytes
+        if view.nbytes != want:
+            raise StoreError(f"record {layer}/{expert}: {view.nbytes} bytes, layout needs {want}")
         offset = self._experts.tell()
         self._experts.write(view)
         self.records.append(
@@ -807,6 +943,7 @@ class StoreWriter:
             "experts_file": "experts.bin",
             "experts_nbytes": (self.tmp / "experts.bin").stat().st_size,
             "expert_layout": self.layout.to_json(),
+            "expert_layouts": {str(k): v.to_json() for k, v in sorted(self.layouts.items())},
             "checksum": CHECKSUM,
             "experts": self.records,
             "tokenizer_files": [f for f in self.files if "token" in f or "template" in f],
@@ -827,3 +964,66 @@ class StoreWriter:
             if f is not None:
                 f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ---- fp8 rows <-> the hub's block-scaled layout (DeepSeek-V3 `weight` + `weight_scale_inv`) ----
+
+
+def fp8_rows(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """A hub FP8 matrix as the store's fp8 rows, losslessly: `weight` float8_e4m3fn bytes
+    (uint8 [rows, cols]) and `scale_inv` f32 [ceil(rows / 128), ceil(cols / 128)] (one scale
+    per 128x128 block, ragged edge blocks; dequantized = weight * scale_inv) -> uint8
+    [rows, row_nbytes("fp8", cols)]: each row its block row's scales, then its e4m3 bytes.
+    Raises StoreError naming the mismatched shape."""
+    weight = np.ascontiguousarray(weight).view(np.uint8)
+    if weight.ndim != 2:
+        raise StoreError(f"fp8 weight must be 2-D [rows, cols], got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    scale_inv = np.asarray(scale_inv, dtype=np.float32)
+    if scale_inv.shape != grid:
+        raise StoreError(
+            f"fp8 weight_scale_inv has shape {list(scale_inv.shape)}, weight {[rows, cols]} "
+            f"with {FP8_BLOCK}x{FP8_BLOCK} blocks needs {list(grid)}"
+        )
+    scales = np.repeat(scale_inv, FP8_BLOCK, axis=0)[:rows]
+    return np.concatenate([scales.view(np.uint8), weight], axis=1)
+
+
+def fp8_unrows(rows_u8: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of fp8_rows: uint8 [rows, row_nbytes("fp8", cols)] -> (weight uint8
+    [rows, cols], scale_inv f32 [ceil(rows / 128), ceil(cols / 128)]). Raises StoreError if a
+    128-row block's rows do not share their scales (rows not written by fp8_rows)."""
+    rows_u8 = np.ascontiguousarray(rows_u8, dtype=np.uint8)
+    ns = -(-cols // FP8_BLOCK)
+    if rows_u8.ndim != 2 or rows_u8.shape[1] != 4 * ns + cols:
+        raise StoreError(
+            f"fp8 rows have shape {list(rows_u8.shape)}, {cols} columns need "
+            f"[rows, {4 * ns + cols}]"
+        )
+    scales = rows_u8[:, : 4 * ns].copy().view(np.float32)
+    grid = scales[::FP8_BLOCK]
+    if not np.array_equal(np.repeat(grid, FP8_BLOCK, axis=0)[: len(scales)].view(np.uint32),
+                          scales.view(np.uint32)):  # fmt: skip
+        raise StoreError("fp8 rows: rows of one 128-row block carry different scales")
+    return rows_u8[:, 4 * ns :].copy(), grid
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's hub MXFP4 layout as the store's mxfp4 rows (GGML's block_mxfp4), losslessly:
+    `blocks` uint8 [..., G, 16] (byte j of a 32-weight group: weight 2j in the low nibble,
+    2j + 1 in the high one) and `scales` uint8 E8M0 [..., G] (2^(s - 127)) -> uint8
+    [..., G * 17]: per group the scale byte, then 16 bytes with weight j low and j + 16 high
+    (the e2m1 codes and the exponent byte are unchanged). Rows = the leading dims (gpt-oss
+    [E, out, in / 32, 16]: rows are output features). Raises StoreError on mismatched shapes."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    scales = np.ascontiguousarray(scales, dtype=np.uint8)
+    if blocks.ndim < 2 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise StoreError(
+            f"mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} must be "
+            "[..., G, 16] and [..., G]"
+        )
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales[..., None], qs], axis=-1)
+    return out.reshape(*blocks.shape[:-2], -1)
