@@ -17,7 +17,7 @@ from colibri.compute import deltanet, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
 from colibri.io.format import ExpertLayout, Store
-from colibri.models.spec import LayerSpec, ModelSpec
+from colibri.models.spec import AttentionSpec, LayerSpec, ModelSpec
 
 _F32 = QType.parse("f32")
 GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
@@ -515,26 +515,74 @@ class Model:
                 self.spec.norm_eps,
             )
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
-        ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        if a.rot_dim > 0:  # rot_dim 0: a no-RoPE layer (Llama 4 no_rope_layers)
+            ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+            ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        if a.qk_norm == "l2" or a.floor_scale > 0:
+            self._llama4_qk(a, q, k, pos)
         kv.k[i][pos0 : pos0 + n] = k
         kv.v[i][pos0 : pos0 + n] = v.reshape(n, a.n_kv_heads, a.v_head_dim)
         out = np.empty((n, a.n_heads, a.v_head_dim), dtype=np.float32)
-        ops.attention(
-            out,
-            q,
-            kv.k[i],
-            kv.v[i],
-            n_kv=pos0 + n,
-            q_pos0=pos0,
-            scale=a.scale,
-            window=a.window,
-            sinks=w.get("sinks"),
-            nthreads=self.nthreads,
-        )
+        if a.attention_chunk_size > 0:
+            self._chunked_attention(i, out, q, kv, pos0)
+        else:
+            ops.attention(
+                out,
+                q,
+                kv.k[i],
+                kv.v[i],
+                n_kv=pos0 + n,
+                q_pos0=pos0,
+                scale=a.scale,
+                window=a.window,
+                sinks=w.get("sinks"),
+                nthreads=self.nthreads,
+            )
         if gate is not None:
             out *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
         return out
+
+    def _llama4_qk(self, a: AttentionSpec, q: np.ndarray, k: np.ndarray, pos: np.ndarray) -> None:
+        """Llama4TextAttention after RoPE, in place on q f32 [n, H, d] and k [n, KV, d]: the
+        weightless per-head RMSNorm (Llama4TextL2Norm, eps rms_norm_eps) when qk_norm is "l2",
+        and attention temperature tuning when floor_scale > 0: q times
+        1 + attn_scale * log1p(floor((pos + 1) / floor_scale)), in f32 as the reference."""
+        if a.qk_norm == "l2":
+            ones = np.ones(a.head_dim, dtype=np.float32)
+            for t in (q, k):
+                flat = t.reshape(-1, a.head_dim)
+                ops.rmsnorm(flat, flat, ones, self.spec.norm_eps)
+        if a.floor_scale > 0:
+            p = pos.astype(np.float32)
+            f = np.floor((p + np.float32(1.0)) / np.float32(a.floor_scale))
+            s = np.log1p(f) * np.float32(a.attn_scale) + np.float32(1.0)
+            q *= s.astype(np.float32)[:, None, None]
+
+    def _chunked_attention(
+        self, i: int, out: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int
+    ) -> None:
+        """Chunked local attention (Llama 4 attention_chunk_size C): the query at position p
+        attends to keys j <= p with j // C == p // C (HF create_chunked_causal_mask). The
+        queries are split at chunk boundaries and each group attends to its chunk's slice of
+        the cache. out f32 [n, H, dv] is written."""
+        a = self.spec.layers[i].attention
+        C, n = a.attention_chunk_size, q.shape[0]
+        t = 0
+        while t < n:
+            p = pos0 + t
+            start = (p // C) * C
+            m = min(n - t, start + C - p)
+            ops.attention(
+                out[t : t + m],
+                np.ascontiguousarray(q[t : t + m]),
+                kv.k[i][start:],
+                kv.v[i][start:],
+                n_kv=p + m - start,
+                q_pos0=p - start,
+                scale=a.scale,
+                nthreads=self.nthreads,
+            )
+            t += m
 
     def _gated_deltanet(self, i: int, h: np.ndarray, kv: KVCache) -> np.ndarray:
         """Gated DeltaNet of layer i on its normed input h f32 [n, d_model] (Qwen3NextGatedDeltaNet
@@ -814,6 +862,9 @@ class Model:
         spans, qts, act_q8 = self._experts.get(layer, self._experts[None])
         part = {name: record[o : o + nb] for name, (o, nb) in spans.items()}
         x = h if len(rows) == len(h) and (rows == np.arange(len(h))).all() else h[rows]
+        if m.apply_router_weight_on_input:  # Llama 4: FFN(weight * x), see MoESpec
+            x = x * np.asarray(weights, dtype=np.float32)[:, None]
+            weights = np.ones(len(rows), dtype=np.float32)
         m_rows = len(rows)
         if m_rows % self.pad:
             x = pad_rows(np.ascontiguousarray(x), self.pad)

@@ -39,6 +39,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     for model_type, fam in registry.FAMILIES.items()
     for case, cfg in fam.test_configs.items()
 }
+# the families with a base case named after them: all but the multimodal wrappers (llama4), whose
+# tests build the wrapper checkpoint around their text family's case (test_families_14b.py)
+BASE_CASES: tuple[str, ...] = tuple(t for t in registry.SUPPORTED if t in CASES)
 
 
 def config(case: str, **overrides: Any) -> Any:
@@ -175,21 +178,23 @@ def greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def router_margins(mod: Any, logits: Any) -> Any:
+def router_margins(mod: Any, logits: Any, bias: Any = None) -> Any:
     """Per token, the smallest margin at the cuts the router `mod` makes (groups kept, experts
     chosen), recomputed from its logits as the transformers router does (DeepSeek-V2/V3,
-    GLM-4.5, gpt-oss). Returns a float tensor [n_tokens]."""
+    GLM-4.5, gpt-oss; MiniMax-M2, whose correction bias is a forward argument `bias`).
+    Returns a float tensor [n_tokens]."""
     k, logits = mod.top_k, logits.float()
-    bias = getattr(mod, "e_score_correction_bias", None)
-    if "GptOss" in type(mod).__name__:
-        choice = logits  # top-k on the biased logits
+    if bias is None:
+        bias = getattr(mod, "e_score_correction_bias", None)
+    if "GptOss" in type(mod).__name__ or "Llama4" in type(mod).__name__:
+        choice = logits  # top-k on the (biased) logits
     elif bias is not None:
         choice = logits.sigmoid() + bias
     else:
         choice = logits.softmax(dim=-1)
     margin = torch.full((len(choice),), float("inf"))
     grouped = bias is not None or getattr(mod, "topk_method", "") == "group_limited_greedy"
-    if grouped and mod.topk_group < mod.num_group:
+    if grouped and getattr(mod, "topk_group", 1) < getattr(mod, "num_group", 1):
         g = choice.view(len(choice), mod.num_group, -1)
         gs = g.topk(2, dim=-1)[0].sum(-1) if bias is not None else g.max(-1).values
         top = gs.topk(mod.topk_group + 1, dim=-1).values
@@ -206,13 +211,18 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     at each cut the router makes (score used for choosing, correction bias and group limits
     included), and between the two largest output logits, on the sequence `ids`."""
     gaps: list[float] = []
-    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
-    hooks = [
-        m.register_forward_hook(
-            lambda mod, _a, out: gaps.append(float(router_margins(mod, out[0]).min()))
-        )
-        for m in routers
+    routers = [
+        m
+        for m in model.modules()
+        if type(m).__name__.lower().endswith("topkrouter") or type(m).__name__ == "Llama4Router"
     ]
+
+    def hook(mod: Any, args: Any, out: Any) -> None:
+        logits = out[1] if type(mod).__name__ == "Llama4Router" else out[0]  # (scores, logits)
+        bias = args[1] if len(args) > 1 else None  # MiniMax-M2: e_score_correction_bias
+        gaps.append(float(router_margins(mod, logits, bias).min()))
+
+    hooks = [m.register_forward_hook(hook) for m in routers]
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()

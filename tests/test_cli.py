@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from colibri import registry
 from colibri.convert import convert
 from tests import hf_models
 
@@ -103,7 +102,7 @@ def test_corrupt_record_is_reported(tiny, tmp_path):
     assert re.search(r"checksum mismatch in layer \d+ expert \d+", res.stderr), res.stderr
 
 
-@pytest.mark.parametrize("model_type", registry.SUPPORTED)
+@pytest.mark.parametrize("model_type", hf_models.BASE_CASES)
 def test_run_and_chat_every_architecture(model_type, tmp_path):
     """run and chat on a converted tiny model of each supported architecture: the streamed
     text is the tokenizer's decoding of transformers' greedy tokens for the same prompt."""

@@ -57,6 +57,7 @@ from gguf.quants import quantize as gq_quantize  # noqa: E402
 
 from colibri.convert import convert, dense_qtype  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
+from tests import hf_models  # noqa: E402
 
 ROLES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
 ROLES["down_proj"] = "down"
@@ -128,10 +129,20 @@ def reference_experts(model, arch: str, orig: dict[str, np.ndarray]):
                     "up_bias": gb[1::2],
                     "down_bias": ex.down_proj_bias[e].float().detach().numpy(),
                 }
+    if arch == "llama4_text":  # Llama4TextExperts: gate_up = x @ gate_up_proj[e] [H, 2I]
+        for i, layer in enumerate(model.model.layers):
+            if not layer.is_moe_layer:
+                continue
+            ex = layer.feed_forward.experts
+            for e in range(ex.num_experts):
+                gu = ex.gate_up_proj[e].float().detach().numpy()
+                I = gu.shape[1] // 2  # noqa: E741
+                down = ex.down_proj[e].float().detach().numpy().T  # [I, H] -> [H, I]
+                ref[(i, e)] = {"gate": gu[:, :I].T, "up": gu[:, I:].T, "down": down}
     return ref
 
 
-@pytest.fixture(scope="module", params=registry.SUPPORTED)
+@pytest.fixture(scope="module", params=hf_models.BASE_CASES)
 def tiny(request, tmp_path_factory):
     """(arch, model, {layout: checkpoint dir}) with original, fused and sharded-fused saves."""
     arch = request.param

@@ -133,6 +133,34 @@ MODELS: dict[str, dict[str, Any]] = {
         "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     },
+    "minimax-m2": {  # MiniMaxAI/MiniMax-M2
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+        "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536,
+        "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+        "head_dim": 128, "rotary_dim": 64, "rope_theta": 5000000, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True,
+        "use_qk_norm": True, "qk_norm_type": "per_layer", "hidden_act": "silu",
+        "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "bos_token_id": 200019, "eos_token_id": 200020,
+    },
+    "llama-4-scout": {  # meta-llama/Llama-4-Scout-17B-16E-Instruct (vision tower not stored)
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120,
+            "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "use_qk_norm": True, "attention_chunk_size": 8192,
+            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+            "rope_theta": 500000.0, "rope_scaling": {
+                "rope_type": "llama3", "factor": 16.0, "high_freq_factor": 1.0,
+                "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+            "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": False, "bos_token_id": 200000,
+            "eos_token_id": [200001, 200007, 200008],
+        },
+        "vision_config": {"model_type": "llama4_vision_model"},
+    },
     "qwen3-next-80b-a3b": {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
@@ -203,6 +231,10 @@ TOKENIZER_SOURCES = {
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
     ],
+    # stand-ins: shared/data has neither model's own tokenizer; Qwen3's ids (< 151669) are
+    # inside both vocabularies, so text goes in and out (the weights are random anyway)
+    "minimax-m2": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
+    "llama-4-scout": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
 }
 
 

@@ -10,7 +10,8 @@ Variants (sources: the transformers reference implementations named below):
 - sigmoid scores, `e_score_correction_bias` added for choosing only, groups scored by the sum
   of their top-2, `topk_group` groups kept, renormalised, scaled by `routed_scaling_factor`
   (DeepSeek-V3, GLM-4.5; DeepseekV3MoE.route_tokens_to_experts);
-- top-k on the logits, then softmax over the k (gpt-oss; GptOssTopKRouter).
+- top-k on the logits, then softmax over the k (gpt-oss; GptOssTopKRouter);
+- top-k on the logits, then sigmoid of each of the k (Llama 4; Llama4Router).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class RouterSpec:
 
     num_experts: int  # num_local_experts / num_experts / n_routed_experts
     top_k: int  # num_experts_per_tok
-    scoring: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "topk_softmax", "topk_sigmoid"] = "softmax"
     norm_topk_prob: bool = False  # renormalise the k weights to sum to 1
     n_group: int = 1  # n_group: experts split into groups for group-limited choice
     topk_group: int = 1  # topk_group: groups kept
@@ -53,6 +54,10 @@ def route(
         ids, vals = ops.topk(np.ascontiguousarray(logits, dtype=np.float32), k)
         ops.softmax(vals)
         return ids, vals
+    if spec.scoring == "topk_sigmoid":
+        ids, vals = ops.topk(np.ascontiguousarray(logits, dtype=np.float32), k)
+        sig = 1.0 / (1.0 + np.exp(-vals.astype(np.float64)))
+        return ids, np.ascontiguousarray(sig, dtype=np.float32)
     scores = np.ascontiguousarray(logits, dtype=np.float32).copy()
     if spec.scoring == "softmax":
         ops.softmax(scores)

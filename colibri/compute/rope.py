@@ -57,8 +57,9 @@ def inv_freq(
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / freq
         scaled = np.where(wavelen > low_wavelen, freq / factor, freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        with np.errstate(divide="ignore", invalid="ignore"):  # low == high (Llama 4 Scout)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if kind == "yarn":

@@ -13,6 +13,7 @@ Expert layouts are the family's (models/<model_type>.py, Family.experts; transfo
                    ...layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
   fused (tf 5)     ...layers.L.mlp.experts.gate_up_proj [E, 2*I, H] (gate rows first, then up)
                    ...layers.L.mlp.experts.down_proj    [E, H, I]
+  Llama 4 (both)   gate_up_proj [E, H, 2*I] (gate columns first, then up), down_proj [E, I, H]
   gpt-oss (both)   gate_up_proj [E, H, 2*I], gate/up interleaved on the last dim (gate = ::2,
                    up = 1::2), gate_up_proj_bias [E, 2*I] (same interleave), down_proj
                    [E, I, H], down_proj_bias [E, H]
@@ -275,6 +276,8 @@ def plan_experts(
                 "gate_up_proj_bias": (E, 2 * I),
                 "down_proj_bias": (E, H),
             }
+        elif fam.experts.fused_layout == "concat_t":
+            need = {"gate_up_proj": (E, H, 2 * I), "down_proj": (E, I, H)}
         else:
             need = {"gate_up_proj": (E, 2 * I, H), "down_proj": (E, H, I)}
         prefix = fam.experts.fused.format(layer=layer)
@@ -285,6 +288,8 @@ def plan_experts(
         for key in set(got) - set(need):
             raise ConversionError(f"{ck.src}: unexpected tensor {got[key]!r}")
         plan[layer] = {"fused": got}
+        if fam.experts.fused_layout == "concat_t":
+            plan[layer]["transposed"] = True
         used |= set(got.values())
     return plan, used, E, H, I
 
@@ -446,7 +451,9 @@ def _expert_parts(
         return parts
     gu = ck.read(f["gate_up_proj"], e, 1)[0]
     down = ck.read(f["down_proj"], e, 1)[0]
-    if "gate_up_proj_bias" not in f:  # [2I, H]: gate rows then up rows
+    if spec.get("transposed"):  # Llama 4: [H, 2I] gate columns then up, down [I, H]
+        parts = {"gate": gu[:, :I].T, "up": gu[:, I:].T, "down": down.T}
+    elif "gate_up_proj_bias" not in f:  # [2I, H]: gate rows then up rows
         parts = {"gate": gu[:I], "up": gu[I:], "down": down}
     else:
         gb = ck.read(f["gate_up_proj_bias"], e, 1)[0]

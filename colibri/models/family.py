@@ -26,7 +26,8 @@ class ExpertNames:
     {layer} naming the prefix of `gate_up_proj` and `down_proj` (and `*_bias`), stacked over
     experts: "concat" is [E, 2*I, H] gate rows then up rows and [E, H, I]; "interleaved_t" is
     gpt-oss's [E, H, 2*I] with gate = [..., ::2], up = [..., 1::2] and [E, I, H], with biases
-    gate_up_proj_bias [E, 2*I] (same interleave) and down_proj_bias [E, H].
+    gate_up_proj_bias [E, 2*I] (same interleave) and down_proj_bias [E, H]; "concat_t" is
+    Llama 4's [E, H, 2*I] with gate = [..., :I], up = [..., I:] and down_proj [E, I, H].
     """
 
     per_expert: str | None = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
@@ -34,7 +35,7 @@ class ExpertNames:
         default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     )
     fused: str = "model.layers.{layer}.mlp.experts"
-    fused_layout: Literal["concat", "interleaved_t"] = "concat"
+    fused_layout: Literal["concat", "interleaved_t", "concat_t"] = "concat"
 
     @property
     def biases(self) -> bool:

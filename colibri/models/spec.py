@@ -70,11 +70,19 @@ class AttentionSpec:
     mscale: float  # cos/sin scale (YaRN attention factor)
     scale: float  # softmax scale, usually head_dim ** -0.5
     window: int = 0  # sliding window (keys j > pos - window); 0 = full attention
-    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm per head, or over the projection
+    qk_norm: Literal["none", "head", "full", "l2"] = "none"  # RMSNorm per head / projection
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     sinks: bool = False  # gpt-oss attention sinks (`self_attn.sinks`)
     mla: MLASpec | None = None  # multi-head latent attention (head_dim = nope + rope dims)
     indexer: IndexerSpec | None = None  # DSA sparse attention over the indexer's top-k (MLA)
+    # Llama 4: qk_norm "l2" is a weightless RMSNorm of each q/k head after RoPE (Llama4TextL2Norm,
+    # eps rms_norm_eps); rot_dim 0 = no RoPE (no_rope_layers); attention_chunk_size > 0: a query
+    # attends only to keys of its own chunk (j // size == pos // size, HF chunked_attention);
+    # floor_scale > 0: queries scaled by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))
+    # (attn_temperature_tuning, Llama4TextAttention).
+    attention_chunk_size: int = 0
+    floor_scale: float = 0.0
+    attn_scale: float = 0.0
     # Qwen3-Next / Qwen3.5: q_proj gives each head's query then its output gate
     # ([n_heads, 2 * head_dim]); the attention output is multiplied by sigmoid(gate)
     output_gate: bool = False
@@ -125,6 +133,9 @@ class MoESpec:
     act: Literal["silu", "gelu", "swiglu_oai"] = "silu"
     alpha: float = 1.702  # swiglu_oai constants (gpt-oss)
     limit: float = 7.0
+    # Llama 4 (Llama4TextMoe): the routed expert's INPUT is scaled by its router weight,
+    # weight * x -> FFN, instead of weight * FFN(x)
+    apply_router_weight_on_input: bool = False
 
 
 @dataclass(frozen=True)
