@@ -167,7 +167,7 @@ def test_prefix_cache_budget_evicts_oldest_blocks():
     from colibri.model import KVCache
     from colibri.prefix_cache import PrefixCache
 
-    attention = SimpleNamespace(mla=None, n_kv_heads=1, head_dim=4, v_head_dim=4)
+    attention = SimpleNamespace(mla=None, indexer=None, n_kv_heads=1, head_dim=4, v_head_dim=4)
     Spec = SimpleNamespace(
         layers=[SimpleNamespace(attention=attention, linear_attn=None)]
     )  # what allocate reads
