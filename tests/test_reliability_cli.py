@@ -360,7 +360,7 @@ def test_run_trace_onto_a_full_file_system(tmp_path):
     trace = tmp_path / "trace.npz"
 
     res = subprocess.run(
-        [sys.executable, "-m", "colibri", "run", "-n", "20", "--trace", str(trace)],
+        [sys.executable, "-m", "colibri", "run", "-n", "20", "--seed", "0", "--trace", str(trace)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -189,3 +189,20 @@ async def test_norm_stored_as_blocks_is_refused(base_store, tmp_path):  # noqa: 
     with pytest.raises(ColibriError, match=f"tensor '{name}' is q8_0; norms, biases"):
         async with open_engine(store, io="threads"):
             pass
+
+
+def test_serve_port_out_of_range_or_taken(capsys):
+    """--port outside 0..65535 is refused by argparse (it was taken modulo 65536, or traced
+    back); a port already in use is one line naming host:port, before the engine loads."""
+    import socket
+
+    for bad in ("99999", "-1"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--port", bad])
+        assert f"invalid port '{bad}' (0..65535)" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = cli_error(capsys, "serve", "--port", str(port))
+    assert f"127.0.0.1:{port}: cannot listen there" in line

@@ -31,7 +31,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     g.add_argument(
         "--parallel",
         type=int,
@@ -101,6 +101,35 @@ def _server_class() -> type:
     return Server
 
 
+def _port(text: str) -> int:
+    """--port for argparse: an integer 0..65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r} (0..65535)")
+    return port
+
+
+def _check_address(host: str, port: int) -> None:
+    """ColibriError naming host:port when it cannot be bound (in use, or not an address
+    here), before the engine loads, instead of uvicorn's traceback after."""
+    import socket
+
+    from colibri.errors import ColibriError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ColibriError(f"{host}:{port}: cannot listen there ({why}; --host / --port)") from None
+
+
 def model_id(path: Path, name: str | None) -> str:
     if name:
         return name
@@ -110,6 +139,8 @@ def model_id(path: Path, name: str | None) -> str:
 async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; on_started(url) is called once it listens."""
     import uvicorn
+
+    _check_address(args.host, args.port)
 
     from colibri.engine import open_engine
     from colibri.serve.app import create_app
