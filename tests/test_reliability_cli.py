@@ -254,7 +254,18 @@ def test_non_utf8_prompt_on_argv():
 
 def test_non_utf8_line_on_chat_stdin_is_skipped():
     res = subprocess.run(
-        [sys.executable, "-m", "colibri", "chat", "-n", "3", "--io", "threads"],
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "chat",
+            "-n",
+            "3",
+            "--temperature",
+            "0",
+            "--io",
+            "threads",
+        ],
         input=b"caf\xff\nThe for statement\n\n",
         capture_output=True,
         timeout=120,

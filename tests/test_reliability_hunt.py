@@ -131,7 +131,10 @@ async def test_generation_config_not_an_object(base_store, tmp_path):  # noqa: F
 
 def test_budget_above_every_record_reserves_only_what_they_need():
     """--budget 100T used to fail with a bare '[Errno 12] Cannot allocate memory'."""
-    res = colibri("run", "--budget", "100T", "-n", "3", "--io", "threads", memory=3 << 30)
+    res = colibri(
+        "run", "--budget", "100T", "-n", "3", "--temperature", "0", "--io", "threads",
+        memory=3 << 30,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "3 generated tokens" in res.stderr
 
