@@ -135,10 +135,12 @@ def _config(store: Store) -> dict[str, Any]:
 def _check_supported(store: Store) -> None:
     g, cfg = _arch(store), _config(store)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
-    if store.moe_layers != list(range(n_layer)):
+    if store.moe_layers != moe_layers(g, cfg):
+        lead = g.hparams.get("leading_dense_block_count")
+        what = f"layers {lead} and later" if lead else "every layer"
         raise ConversionError(
-            f"{store.path}: only stores whose every layer is MoE are exported "
-            f"(MoE layers: {store.moe_layers})"
+            f"{store.path}: llama.cpp's {g.name} runs {what} as MoE; this store's MoE layers "
+            f"are {store.moe_layers} of {n_layer}"
         )
     fp8 = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
     fp8 += [
@@ -174,6 +176,25 @@ def _check_supported(store: Store) -> None:
         )
 
 
+def moe_layers(g: GGUFArch, config: dict[str, Any]) -> list[int]:
+    """The layers llama.cpp's arch `g` runs as MoE for resolved `config`: every one, or those
+    from `first_k_dense_replace` on where the arch has a leading_dense_block_count."""
+    n_layer = int(_cfg(config, "num_hidden_layers"))
+    lead = g.hparams.get("leading_dense_block_count")
+    return list(range(int(_cfg(config, lead, default=0)) if lead else 0, n_layer))
+
+
+def _add_typed(w: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        raise ConversionError(f"GGUF key {key}: value {value!r} is not a number")
+
+
 def _add_hparams(w: Any, store: Store) -> None:
     gguf, cfg, g = _gguf(), _config(store), _arch(store)
     n_head = int(_cfg(cfg, "num_attention_heads"))
@@ -187,7 +208,8 @@ def _add_hparams(w: Any, store: Store) -> None:
     w.add_head_count(n_head)
     w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
     w.add_rope_freq_base(_rope_theta(cfg))
-    w.add_rope_dimension_count(head_dim)
+    spec = model_spec({**store.config, "model_type": store.model_type})
+    w.add_rope_dimension_count(spec.layers[0].attention.rot_dim if g.partial_rotary else head_dim)
     w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
     w.add_expert_count(store.num_experts)
     w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
@@ -201,6 +223,11 @@ def _add_hparams(w: Any, store: Store) -> None:
     if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    for key, field in g.hparams.items():
+        if cfg.get(field) is not None:
+            _add_typed(w, f"{w.arch}.{key}", cfg[field])
+    for key, value in g.fixed.items():
+        _add_typed(w, f"{w.arch}.{key}", value)
     w.add_file_type(file_type(store))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -268,7 +295,7 @@ def _plan(store: Store) -> list[_Tensor]:
     n_head_kv = int(_cfg(cfg, "num_key_value_heads", default=n_head))
     plan: list[_Tensor] = []
     for hf in store.dense_names():
-        base, suffix = hf.rsplit(".", 1)
+        base, suffix = g.split_name(hf)
         gname = names.get_name(base)
         if gname is None or suffix not in ("weight", "bias"):
             raise ConversionError(

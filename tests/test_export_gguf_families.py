@@ -17,6 +17,7 @@ from gguf import GGUFReader  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.export_gguf import export_gguf  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
+from colibri.registry import model_spec  # noqa: E402
 from tests.test_export_gguf import (  # noqa: E402
     PROMPT,
     SHARED,
@@ -30,8 +31,18 @@ from tests.test_export_gguf import (  # noqa: E402
 CASES = {
     "olmoe": dict(clip_qkv=None, num_key_value_heads=4),
     "qwen2_moe": dict(mlp_only_layers=[]),
+    "minimax_m2": {},
+    "glm4_moe": {},  # layer 0 dense, a shared expert, partial rotary, qkv biases, q/k norms
 }
-ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
+        "glm4_moe": "glm4moe"}  # fmt: skip
+# a tensor each arch has that the others lack
+MARK = {
+    "olmoe": "blk.0.attn_q_norm.weight",
+    "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight",
+    "minimax_m2": "blk.0.exp_probs_b.bias",
+    "glm4_moe": "blk.1.ffn_gate_shexp.weight",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -75,20 +86,29 @@ def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
     case = model_dir.name.removeprefix("tiny-")
     assert r.fields["general.architecture"].contents() == ARCH[case]
     names = {t.name for t in r.tensors}
-    want = {"olmoe": "blk.0.attn_q_norm.weight", "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight"}
-    assert {want[case], "blk.0.ffn_gate_inp.weight"} <= names
-    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
     first = open_store(store)
+    router = f"blk.{first.moe_layers[0]}.ffn_gate_inp.weight"
+    assert {MARK[case], router} <= names
+    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
+    assert back.moe_layers == first.moe_layers
     assert [x.xxh3 for x in back.records] == [x.xxh3 for x in first.records]
+    assert sorted(back.dense_names()) == sorted(first.dense_names())
     for name in first.dense_names():
         a, b = first.dense(name)[0], back.dense(name)[0]
         assert np.array_equal(a, b), name
-    assert back.config["norm_topk_prob"] is False
     keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "num_experts_per_tok", "intermediate_size", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size"]  # fmt: skip
+            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size", "norm_topk_prob",
+            "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor",
+            "attention_bias", "use_qk_norm"]  # fmt: skip
     for k in keys:
         assert back.config.get(k) == first.config.get(k), k
+    # the engine's view of the model is the same: rotary dims, routing, every layer's kind
+    a, b = model_spec(first.config | {"model_type": case}), model_spec(back.config)
+    assert [(x.attention.rot_dim, x.moe, sorted(x.names)) for x in a.layers] == [
+        (x.attention.rot_dim, x.moe, sorted(x.names)) for x in b.layers
+    ]
+    assert a.moe.router == b.moe.router
     # the vocabulary comes back as a tokenizer.json that tokenizes like the original
     from tokenizers import Tokenizer
 

@@ -134,6 +134,22 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         cfg["intermediate_size"] = int(get("feed_forward_length", 0))
     if g.shared_ff_key is not None:
         cfg["shared_expert_intermediate_size"] = int(get(g.shared_ff_key))
+    for key, hf in g.hparams.items():
+        v = _field(reader, f"{arch}.{key}")
+        if v is not None:
+            cfg[hf] = _f32_decimal(v) if isinstance(v, float) else v
+    for key, value in g.fixed.items():
+        if _field(reader, f"{arch}.{key}", value) != value:
+            raise ConversionError(
+                f"{path}: {arch}.{key} is {_field(reader, f'{arch}.{key}')!r}; colibri's "
+                f"{fam.model_type} has {value!r}"
+            )
+    if g.partial_rotary:
+        rot = int(get("rope.dimension_count", cfg["head_dim"]))
+        if rot != cfg["head_dim"]:
+            cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+    for key, tensor in g.present.items():
+        cfg[key] = tensor in names
     cfg.update(g.implied)
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
@@ -152,7 +168,7 @@ def hf_names(fam: Family, spec: ModelSpec) -> dict[str, str]:
     names = gguf.get_tensor_name_map(arch, len(spec.layers))
     out = {}
     for hf in dense_tensors(spec):
-        base, suffix = hf.rsplit(".", 1)
+        base, suffix = fam.gguf.split_name(hf)
         gname = names.get_name(base)
         if gname is not None:
             out[f"{gname}.{suffix}"] = hf
@@ -310,9 +326,10 @@ def convert_gguf(
             dense.append((hf_of[t.name], t))
         else:
             raise ConversionError(f"{src}: unexpected tensor {t.name}")
-    if len(experts) != n or sorted(experts) != list(range(n)):
+    moe = [layer.index for layer in spec.layers if layer.moe]
+    if sorted(experts) != moe:
         raise ConversionError(
-            f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
+            f"{src}: experts found in layers {sorted(experts)}, the metadata implies {moe}"
         )
     per_layer = {}
     for layer, parts in experts.items():
@@ -346,7 +363,7 @@ def convert_gguf(
             w.write_dense(hf, _dense_data(t, hf, qt, shape, cfg, fam))
             if bar is not None:
                 bar.update(int(t.n_bytes))
-        for layer in range(n):
+        for layer in moe:
             p = experts[layer]
             for e in range(E):
                 w.write_expert(

@@ -57,6 +57,15 @@ class GGUFArch:
     requires_mha: the arch has no grouped-query attention (num_key_value_heads must equal
     num_attention_heads to export). shared_ff_key: the GGUF key of the shared expert's d_ff
     (config `shared_expert_intermediate_size`), for archs with one.
+    hparams: GGUF key (after "<arch>.") -> config field, written from the resolved config
+    and read back into it (int as uint32, float as float32, bool as bool; a field the config
+    leaves None is not written); "leading_dense_block_count" among them says the arch runs
+    its first that many layers dense (first_k_dense_replace) and every later one MoE.
+    fixed: GGUF keys of one value for the family (expert_gating_func 2 = sigmoid).
+    partial_rotary: the arch's `rope.dimension_count` is the rotated dims of each head (the
+    spec's rot_dim), imported as `partial_rotary_factor`. present: config field -> a layer-0
+    GGUF tensor name whose presence sets it true on import (biases, q/k norms the arch may or
+    may not have).
     """
 
     arch: str
@@ -69,6 +78,21 @@ class GGUFArch:
     requires_mha: bool = False
     # the GGUF key of the shared expert's d_ff (qwen2moe), read from shared_expert_...
     shared_ff_key: str | None = None
+    hparams: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, int] = field(default_factory=dict)
+    partial_rotary: bool = False
+    present: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str]:
+        """(base, suffix) of an HF tensor name as gguf's TensorNameMap looks it up:
+        "...mlp.gate.e_score_correction_bias" -> ("...mlp.gate.e_score_correction", "bias")
+        (llama.cpp's converter renames it so: GGUF `blk.N.exp_probs_b.bias`), else the name
+        split at its last dot ("...q_proj.weight" -> ("...q_proj", "weight"))."""
+        if name.endswith(".e_score_correction_bias"):
+            return name[: -len("_bias")], "bias"
+        base, _, suffix = name.rpartition(".")
+        return base, suffix
 
 
 @dataclass(frozen=True)
