@@ -306,7 +306,7 @@ def convert_gguf(
     except StoreError as exc:
         raise ConversionError(f"{src}: {exc}") from None
     hf_of, f32 = hf_names(fam, spec), f32_tensors(spec)
-    H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    H = cfg["hidden_size"]
     E, I = cfg[fam.num_experts_key], cfg[fam.d_ff_key]  # noqa: E741
     experts: dict[int, dict[str, Any]] = {}
     dense: list[tuple[str, Any]] = []
