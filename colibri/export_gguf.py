@@ -135,12 +135,12 @@ def _config(store: Store) -> dict[str, Any]:
 def _check_supported(store: Store) -> None:
     g, cfg = _arch(store), _config(store)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
-    if store.moe_layers != moe_layers(g, cfg):
-        lead = g.hparams.get("leading_dense_block_count")
-        what = f"layers {lead} and later" if lead else "every layer"
+    lead = n_layer - len(store.moe_layers)
+    if store.moe_layers != list(range(lead, n_layer)) or (lead and not g.leading_dense):
+        what = "a run of dense layers then MoE ones" if g.leading_dense else "every layer MoE"
         raise ConversionError(
-            f"{store.path}: llama.cpp's {g.name} runs {what} as MoE; this store's MoE layers "
-            f"are {store.moe_layers} of {n_layer}"
+            f"{store.path}: llama.cpp's {g.name} runs {what}; this store's MoE layers are "
+            f"{store.moe_layers} of {n_layer}"
         )
     fp8 = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
     fp8 += [
@@ -176,14 +176,6 @@ def _check_supported(store: Store) -> None:
         )
 
 
-def moe_layers(g: GGUFArch, config: dict[str, Any]) -> list[int]:
-    """The layers llama.cpp's arch `g` runs as MoE for resolved `config`: every one, or those
-    from `first_k_dense_replace` on where the arch has a leading_dense_block_count."""
-    n_layer = int(_cfg(config, "num_hidden_layers"))
-    lead = g.hparams.get("leading_dense_block_count")
-    return list(range(int(_cfg(config, lead, default=0)) if lead else 0, n_layer))
-
-
 def _add_typed(w: Any, key: str, value: Any) -> None:
     if isinstance(value, bool):
         w.add_bool(key, value)
@@ -206,10 +198,20 @@ def _add_hparams(w: Any, store: Store) -> None:
     w.add_embedding_length(n_embd)
     w.add_block_count(int(_cfg(cfg, "num_hidden_layers")))
     w.add_head_count(n_head)
-    w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
+    attn = model_spec({**store.config, "model_type": store.model_type}).layers[0].attention
+    if attn.mla is not None:  # deepseek2 without absorption: keys and values per head (MHA)
+        w.add_head_count_kv(n_head)
+        w.add_kv_lora_rank(attn.mla.kv_lora_rank)
+        w.add_q_lora_rank(attn.mla.q_lora_rank or 0)  # 0: q_proj (llama.cpp's "lite" path)
+        w.add_key_length(attn.head_dim)  # qk_nope + qk_rope
+        w.add_value_length(attn.v_head_dim)
+    else:
+        w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
     w.add_rope_freq_base(_rope_theta(cfg))
-    spec = model_spec({**store.config, "model_type": store.model_type})
-    w.add_rope_dimension_count(spec.layers[0].attention.rot_dim if g.partial_rotary else head_dim)
+    if attn.mla is not None:
+        w.add_rope_dimension_count(attn.mla.qk_rope_head_dim)
+    else:
+        w.add_rope_dimension_count(attn.rot_dim if g.partial_rotary else head_dim)
     w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
     w.add_expert_count(store.num_experts)
     w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
@@ -220,7 +222,10 @@ def _add_hparams(w: Any, store: Store) -> None:
         w.add_expert_feed_forward_length(store.layout.d_ff)
     if g.shared_ff_key is not None:  # qwen2moe: the shared expert's n_ff
         w.add_expert_shared_feed_forward_length(int(_cfg(cfg, "shared_expert_intermediate_size")))
-    if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
+    if g.leading_dense:
+        w.add_leading_dense_block_count(int(_cfg(cfg, "num_hidden_layers")) - len(store.moe_layers))
+    # head_dim may differ from n_embd / n_head
+    if store.config.get("head_dim") is not None and attn.mla is None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     for key, field in g.hparams.items():

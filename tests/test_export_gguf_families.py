@@ -17,7 +17,7 @@ from gguf import GGUFReader  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.export_gguf import export_gguf  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
-from colibri.registry import model_spec  # noqa: E402
+from colibri.registry import FAMILIES, model_spec  # noqa: E402
 from tests.test_export_gguf import (  # noqa: E402
     PROMPT,
     SHARED,
@@ -33,15 +33,28 @@ CASES = {
     "qwen2_moe": dict(mlp_only_layers=[]),
     "minimax_m2": {},
     "glm4_moe": {},  # layer 0 dense, a shared expert, partial rotary, qkv biases, q/k norms
+    # MLA (llama.cpp deepseek2, attn_kv_b whole); plain RoPE (YaRN is not exported)
+    "deepseek_v2": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    "deepseek_v3": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    "deepseek_v3_one_group_no_q_lora": dict(rope_interleave=True),  # q_proj, 2 groups
+    "kimi_k2": {},
+    "glm4_moe_lite": {},
 }
 ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
-        "glm4_moe": "glm4moe"}  # fmt: skip
+        "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+        "deepseek_v3_one_group_no_q_lora": "deepseek2", "kimi_k2": "deepseek2",
+        "glm4_moe_lite": "deepseek2"}  # fmt: skip
 # a tensor each arch has that the others lack
 MARK = {
     "olmoe": "blk.0.attn_q_norm.weight",
     "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight",
     "minimax_m2": "blk.0.exp_probs_b.bias",
     "glm4_moe": "blk.1.ffn_gate_shexp.weight",
+    "deepseek_v2": "blk.1.attn_q_a.weight",
+    "deepseek_v3": "blk.1.exp_probs_b.bias",
+    "deepseek_v3_one_group_no_q_lora": "blk.0.attn_q.weight",
+    "kimi_k2": "blk.1.attn_kv_b.weight",
+    "glm4_moe_lite": "blk.2.attn_kv_a_mqa.weight",
 }
 
 
@@ -101,10 +114,14 @@ def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
             "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size", "norm_topk_prob",
             "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor",
             "attention_bias", "use_qk_norm"]  # fmt: skip
+    keys += ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+             "n_group", "topk_group"]  # fmt: skip
+    read = FAMILIES[first.model_type].defaults  # the fields the family reads
     for k in keys:
-        assert back.config.get(k) == first.config.get(k), k
+        if k in first.config and k in read:
+            assert back.config.get(k) == first.config[k], k
     # the engine's view of the model is the same: rotary dims, routing, every layer's kind
-    a, b = model_spec(first.config | {"model_type": case}), model_spec(back.config)
+    a, b = model_spec(first.config | {"model_type": first.model_type}), model_spec(back.config)
     assert [(x.attention.rot_dim, x.moe, sorted(x.names)) for x in a.layers] == [
         (x.attention.rot_dim, x.moe, sorted(x.names)) for x in b.layers
     ]

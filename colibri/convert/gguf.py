@@ -37,8 +37,11 @@ from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import FAMILIES, model_spec
 
-# GGUF general.architecture -> colibri family
-GGUF_ARCHS: dict[str, Family] = {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
+# GGUF general.architecture -> the colibri families it may import as (GGUFArch.fixed decides)
+GGUF_ARCHS: dict[str, list[Family]] = {}
+for _f in FAMILIES.values():
+    if _f.gguf is not None and _f.gguf.importable:
+        GGUF_ARCHS.setdefault(_f.gguf.name, []).append(_f)
 
 # GGML type name -> store qtype: every GGML type the store holds byte for byte
 _TYPES = {q.upper(): q for q in QTYPES if q != "fp8"}
@@ -89,17 +92,33 @@ def _f32_decimal(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
-    """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
-    architecture without experts or one not handled."""
+def gguf_family(reader: Any, path: Path) -> Family:
+    """The family a GGUF imports as: by `general.architecture`, among several (deepseek2:
+    deepseek_v2, deepseek_v3) the first whose GGUFArch.fixed values the file has (a key the
+    file lacks counts as llama.cpp's default, the first family's). Raises ConversionError for
+    an architecture without experts or one not handled."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS or not _field(reader, f"{arch}.expert_count"):
-        supported = ", ".join(f"{a} ({f.model_type})" for a, f in GGUF_ARCHS.items())
+        supported = ", ".join(
+            f"{a} ({'/'.join(f.model_type for f in fams)})" for a, fams in GGUF_ARCHS.items()
+        )
         raise ConversionError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported, with experts: " + supported
         )
-    fam = GGUF_ARCHS[arch]
-    g = fam.gguf
+    fams = GGUF_ARCHS[arch]
+    for i, fam in enumerate(fams):
+        fixed = fam.gguf.fixed  # type: ignore[union-attr]
+        if all(_field(reader, f"{arch}.{k}", v if i == 0 else None) == v for k, v in fixed.items()):
+            return fam
+    got = {k: _field(reader, f"{arch}.{k}") for k in fams[0].gguf.fixed}  # type: ignore[union-attr]
+    raise ConversionError(f"{path}: {arch} with {got} matches no colibri family")
+
+
+def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
+    architecture without experts or one not handled."""
+    fam = gguf_family(reader, path)
+    arch, g = fam.gguf.name, fam.gguf
     assert g is not None
 
     def get(key: str, default: Any = None) -> Any:
@@ -138,12 +157,23 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         v = _field(reader, f"{arch}.{key}")
         if v is not None:
             cfg[hf] = _f32_decimal(v) if isinstance(v, float) else v
-    for key, value in g.fixed.items():
-        if _field(reader, f"{arch}.{key}", value) != value:
+    if g.leading_dense:
+        cfg["first_k_dense_replace"] = int(get("leading_dense_block_count", 0))
+    if g.mla:
+        if _field(reader, f"{arch}.attention.key_length_mla") is not None:
             raise ConversionError(
-                f"{path}: {arch}.{key} is {_field(reader, f'{arch}.{key}')!r}; colibri's "
-                f"{fam.model_type} has {value!r}"
+                f"{path}: MLA with kv_b split into attn_k_b / attn_v_b (key_length_mla) is not "
+                "imported yet; GGUFs with attn_kv_b whole (colibri export-gguf) are"
             )
+        rope, k_len = int(get("rope.dimension_count")), int(get("attention.key_length"))
+        del cfg["head_dim"]
+        cfg |= {
+            "kv_lora_rank": int(get("attention.kv_lora_rank")),
+            "q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": k_len - rope,
+            "v_head_dim": int(get("attention.value_length")),
+        }
     if g.partial_rotary:
         rot = int(get("rope.dimension_count", cfg["head_dim"]))
         if rot != cfg["head_dim"]:
@@ -300,7 +330,7 @@ def convert_gguf(
         check_config(cfg, f"{src}: metadata (as config.json)")
     except ConfigError as exc:
         raise ConversionError(str(exc)) from None
-    fam = GGUF_ARCHS[_field(reader, "general.architecture")]
+    fam = gguf_family(reader, src)
     try:
         spec = model_spec(cfg)
     except StoreError as exc:

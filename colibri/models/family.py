@@ -61,7 +61,16 @@ class GGUFArch:
     and read back into it (int as uint32, float as float32, bool as bool; a field the config
     leaves None is not written); "leading_dense_block_count" among them says the arch runs
     its first that many layers dense (first_k_dense_replace) and every later one MoE.
-    fixed: GGUF keys of one value for the family (expert_gating_func 2 = sigmoid).
+    fixed: GGUF keys of one value for the family (expert_gating_func 2 = sigmoid); on import
+    the first family of an architecture whose fixed values the file has is chosen.
+    leading_dense: the arch runs its first `leading_dense_block_count` layers as dense MLPs
+    and every later one as MoE (config first_k_dense_replace on import).
+    mla: multi-head latent attention as llama.cpp's deepseek2 runs it without absorption
+    (attn_kv_b kept whole, keys and values expanded per head: key_length = qk_nope + qk_rope,
+    value_length = v_head_dim, head_count_kv = head_count; convert_hf_to_gguf's split into
+    attn_k_b / attn_v_b would change the stored bytes).
+    importable: GGUF import may pick this family (False for aliases of another, e.g. Kimi K2
+    of DeepSeek-V3).
     partial_rotary: the arch's `rope.dimension_count` is the rotated dims of each head (the
     spec's rot_dim), imported as `partial_rotary_factor`. present: config field -> a layer-0
     GGUF tensor name whose presence sets it true on import (biases, q/k norms the arch may or
@@ -82,6 +91,9 @@ class GGUFArch:
     fixed: dict[str, int] = field(default_factory=dict)
     partial_rotary: bool = False
     present: dict[str, str] = field(default_factory=dict)
+    leading_dense: bool = False
+    mla: bool = False
+    importable: bool = True
 
     @staticmethod
     def split_name(name: str) -> tuple[str, str]:

@@ -70,8 +70,8 @@ FAMILY = Family(
         arch="GLM4_MOE",
         name="glm4moe",
         architectures="Glm4MoeForCausalLM",
+        leading_dense=True,
         hparams={
-            "leading_dense_block_count": "first_k_dense_replace",
             "expert_shared_count": "n_shared_experts",
             "expert_weights_scale": "routed_scaling_factor",
             "expert_weights_norm": "norm_topk_prob",
