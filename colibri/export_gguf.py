@@ -107,14 +107,58 @@ def _cfg(config: dict[str, Any], *keys: str, default: Any = ...) -> Any:
     return default
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
+    if kind not in ("default", "yarn", None):
         raise ConversionError(
-            f"manifest.json config: rope type {kind!r} is not exported (only plain RoPE)"
+            f"manifest.json config: rope type {kind!r} is not exported (plain RoPE and YaRN are)"
         )
+    return rope
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    rope = _rope(config)
     return float(rope.get("rope_theta", _cfg(config, "rope_theta", default=10000.0)))
+
+
+def _add_rope_scaling(w: Any, config: dict[str, Any], mla: bool) -> None:
+    """YaRN as convert_hf_to_gguf writes it: type, factor, original context, beta_fast /
+    beta_slow, and for MLA (deepseek2) yarn_log_mul = 0.1 * mscale_all_dim; llama.cpp then
+    takes mscale to be mscale_all_dim (1 when that is 1), so other mscales are refused, as is
+    an explicit attention_factor, which llama.cpp's deepseek2 ignores."""
+    rope = _rope(config)
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return
+    gguf = _gguf()
+    for key in ("factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise ConversionError(f"manifest.json config: YaRN rope_parameters lacks {key!r}")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
+        if rope.get(key) is not None:
+            add(float(rope[key]))
+    if rope.get("truncate", True) is False:
+        raise ConversionError("manifest.json config: YaRN with truncate false is not exported")
+    if not mla:
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+        return
+    m_all = float(rope.get("mscale_all_dim") or 0.0)
+    if m_all:
+        w.add_rope_scaling_yarn_log_mul(0.1 * m_all)
+    if float(rope.get("mscale") or 1.0) != (m_all if m_all else 1.0):
+        raise ConversionError(
+            f"manifest.json config: YaRN mscale {rope.get('mscale')} != mscale_all_dim "
+            f"{m_all}; llama.cpp's deepseek2 assumes them equal"
+        )
+    if rope.get("attention_factor") is not None:
+        raise ConversionError(
+            "manifest.json config: YaRN attention_factor is ignored by llama.cpp's deepseek2"
+        )
 
 
 def _arch(store: Store) -> GGUFArch:
@@ -208,6 +252,7 @@ def _add_hparams(w: Any, store: Store) -> None:
     else:
         w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
     w.add_rope_freq_base(_rope_theta(cfg))
+    _add_rope_scaling(w, cfg, attn.mla is not None)
     if attn.mla is not None:
         w.add_rope_dimension_count(attn.mla.qk_rope_head_dim)
     else:
@@ -225,7 +270,7 @@ def _add_hparams(w: Any, store: Store) -> None:
     if g.leading_dense:
         w.add_leading_dense_block_count(int(_cfg(cfg, "num_hidden_layers")) - len(store.moe_layers))
     # head_dim may differ from n_embd / n_head
-    if store.config.get("head_dim") is not None and attn.mla is None:
+    if cfg.get("head_dim") is not None and attn.mla is None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     for key, field in g.hparams.items():
@@ -483,7 +528,8 @@ def _add_vocab(w: Any, store: Store) -> str:
         raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
     tcfg_path = store.path / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
-    vocab_size = int(_cfg(store.config, "vocab_size"))
+    cfg = _config(store)
+    vocab_size = int(_cfg(cfg, "vocab_size"))
     kind, tokens, scores, types = vocab_tokens(
         tok, vocab_size, _token_text(tcfg.get("unk_token")) or "<unk>"
     )
@@ -501,7 +547,7 @@ def _add_vocab(w: Any, store: Store) -> str:
     w.add_token_types(types)
     special = gguf.SpecialVocab(store.path, load_merges=kind == "gpt2", n_vocab=vocab_size)
     for typ in ("bos", "eos", "pad", "unk"):  # the model config's ids as the last resort
-        tid = store.config.get(f"{typ}_token_id")
+        tid = cfg.get(f"{typ}_token_id", store.config.get(f"{typ}_token_id"))
         if typ not in special.special_token_ids and isinstance(tid, int) and tid < vocab_size:
             special.special_token_ids[typ] = tid
     special.add_to_gguf(w, quiet=True)

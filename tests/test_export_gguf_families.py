@@ -33,17 +33,18 @@ CASES = {
     "qwen2_moe": dict(mlp_only_layers=[]),
     "minimax_m2": {},
     "glm4_moe": {},  # layer 0 dense, a shared expert, partial rotary, qkv biases, q/k norms
-    # MLA (llama.cpp deepseek2, attn_kv_b whole); plain RoPE (YaRN is not exported)
-    "deepseek_v2": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-    "deepseek_v3": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # MLA (llama.cpp deepseek2, attn_kv_b whole), YaRN with mscale_all_dim 0.707 / 1.0
+    "deepseek_v2": {},
+    "deepseek_v3": {},
     "deepseek_v3_one_group_no_q_lora": dict(rope_interleave=True),  # q_proj, 2 groups
     "kimi_k2": {},
     "glm4_moe_lite": {},
+    "kimi_k25": {},  # multimodal: the language model (text_config) exported
 }
 ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
         "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
         "deepseek_v3_one_group_no_q_lora": "deepseek2", "kimi_k2": "deepseek2",
-        "glm4_moe_lite": "deepseek2"}  # fmt: skip
+        "glm4_moe_lite": "deepseek2", "kimi_k25": "deepseek2"}  # fmt: skip
 # a tensor each arch has that the others lack
 MARK = {
     "olmoe": "blk.0.attn_q_norm.weight",
@@ -55,7 +56,44 @@ MARK = {
     "deepseek_v3_one_group_no_q_lora": "blk.0.attn_q.weight",
     "kimi_k2": "blk.1.attn_kv_b.weight",
     "glm4_moe_lite": "blk.2.attn_kv_a_mqa.weight",
+    "kimi_k25": "blk.2.ffn_down_shexp.weight",
 }
+
+
+def _kimi_k25(vocab_size: int):
+    """Kimi K2.5 in small (vision tower, projector, DeepSeek-V3 text model), as test_kimi
+    builds it, with `vocab_size` tokens."""
+    import torch
+    import transformers
+
+    from tests import hf_models
+    from tests.test_kimi import VISION
+
+    text = {**hf_models.COMMON, **FAMILIES["kimi_k25"].test_configs["kimi_k25"]}
+    text |= {"model_type": "deepseek_v3", "vocab_size": vocab_size}
+    cfg = transformers.AutoConfig.for_model(
+        "kimi_k25", text_config=text, vision_config=VISION, projection_hidden_size=32,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def _auto_model(case: str):
+    import transformers
+
+    if case == "kimi_k25":
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -82,9 +120,12 @@ def model_dir(request, tmp_path_factory) -> Path:
     tok.train_from_iterator(lines, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     case = request.param
-    model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
     path = tmp_path_factory.mktemp("hf") / f"tiny-{case}"
-    model.save_pretrained(path, safe_serialization=True)
+    if case == "kimi_k25":  # transformers 5's own layout (see test_kimi)
+        _kimi_k25(vocab_size=384).save_pretrained(path, save_original_format=False)
+    else:
+        model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
+        model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return path
 
@@ -145,9 +186,10 @@ def test_llama_cpp_logits_match_transformers(model_dir, tmp_path):
     ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert ids == tok(PROMPT).input_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    auto = _auto_model(model_dir.name.removeprefix("tiny-"))
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+        ref = model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     scale = float(np.abs(ref).max())
     assert float(np.abs(got - ref).max()) <= 1e-4 * scale
     ours = _colibri_last_logits(store, ids)
