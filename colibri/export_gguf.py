@@ -141,8 +141,12 @@ def _add_rope_scaling(w: Any, config: dict[str, Any], mla: bool) -> None:
                      ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
         if rope.get(key) is not None:
             add(float(rope[key]))
-    if rope.get("truncate", True) is False:
-        raise ConversionError("manifest.json config: YaRN with truncate false is not exported")
+    if rope.get("truncate", True) is False:  # gpt-oss; llama.cpp's converter says nothing
+        warnings.warn(
+            "YaRN with truncate false: llama.cpp rounds the ramp's ends to whole dims (as "
+            "truncate true does); a few rotary frequencies differ slightly from the model's",
+            stacklevel=3,
+        )
     if not mla:
         if rope.get("attention_factor") is not None:
             w.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
@@ -196,8 +200,14 @@ def _check_supported(store: Store) -> None:
             f"{' …' if len(fp8) > 3 else ''} written as their exact f32 values",
             file=sys.stderr,
         )
-    if set(store.layout.tensors) != {"gate", "up", "down"}:
-        raise ConversionError(f"{store.path}: expert biases have no place in arch {g.arch}")
+    parts = {"gate", "up", "down"} | (
+        {"gate_bias", "up_bias", "down_bias"} if g.expert_biases else set()
+    )
+    if set(store.layout.tensors) != parts:
+        raise ConversionError(
+            f"{store.path}: expert tensors {sorted(store.layout.tensors)}; llama.cpp's {g.name} "
+            f"has {sorted(parts)}"
+        )
     for key, value in g.implied.items():
         if cfg.get(key) != value:
             raise ConversionError(
@@ -212,7 +222,15 @@ def _check_supported(store: Store) -> None:
         )
     spec = model_spec({**store.config, "model_type": store.model_type})
     window = max(layer.attention.window for layer in spec.layers)
-    if window and window < spec.max_position_embeddings:
+    if g.swa_pattern:
+        k = g.swa_pattern
+        want = [window if i % k < k - 1 else 0 for i in range(len(spec.layers))]
+        if [layer.attention.window for layer in spec.layers] != want:
+            raise ConversionError(
+                f"{store.path}: sliding-window layers {[x.attention.window for x in spec.layers]}"
+                f"; llama.cpp's {g.name} slides on layers i % {k} < {k - 1} only"
+            )
+    elif window and window < spec.max_position_embeddings:
         warnings.warn(
             f"{store.path}: sliding_window={window} is ignored by llama.cpp's {g.name} arch; "
             "outputs differ past that many tokens",
@@ -361,13 +379,16 @@ def _plan(store: Store) -> list[_Tensor]:
         load = lambda n=hf, h=heads: _dense_bytes(store, n, h)  # noqa: E731
         plan.append(_Tensor(f"{gname}.{suffix}", shape, gguf_qtype(qtype), load))
     for layer in store.moe_layers:
+        tensors = store.layout_for(layer).tensors
         stack = _ExpertStack(store, layer)
         for part, tensor in EXPERT_TENSORS.items():
-            spec = store.layout_for(layer).tensors[part]
             gname = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, tensor)].format(bid=layer)
-            shape = (store.num_experts, *spec.shape)
-            qt = gguf_qtype(spec.qtype)
-            plan.append(_Tensor(f"{gname}.weight", shape, qt, stack.loader(part)))
+            for key, suffix in ((part, "weight"), (f"{part}_bias", "bias")):
+                if key in tensors:
+                    spec = tensors[key]
+                    shape = (store.num_experts, *spec.shape)
+                    qt = gguf_qtype(spec.qtype)
+                    plan.append(_Tensor(f"{gname}.{suffix}", shape, qt, stack.loader(key)))
     return plan
 
 
@@ -378,7 +399,7 @@ class _ExpertStack:
     def __init__(self, store: Store, layer: int) -> None:
         self.store, self.layer = store, layer
         self.raw: np.ndarray | None = None
-        self.left = set(EXPERT_TENSORS)
+        self.left = set(store.layout_for(layer).tensors)
 
     def _read(self) -> np.ndarray:
         st = self.store

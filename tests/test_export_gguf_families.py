@@ -40,11 +40,23 @@ CASES = {
     "kimi_k2": {},
     "glm4_moe_lite": {},
     "kimi_k25": {},  # multimodal: the language model (text_config) exported
+    # llama.cpp's SwiGLU limit is gpt-oss's 7; its YaRN rounds the ramp (truncate true)
+    "gpt_oss": dict(
+        swiglu_limit=7.0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e4,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
+    ),
 }
 ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
         "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
         "deepseek_v3_one_group_no_q_lora": "deepseek2", "kimi_k2": "deepseek2",
-        "glm4_moe_lite": "deepseek2", "kimi_k25": "deepseek2"}  # fmt: skip
+        "glm4_moe_lite": "deepseek2", "kimi_k25": "deepseek2", "gpt_oss": "gpt-oss"}  # fmt: skip
 # a tensor each arch has that the others lack
 MARK = {
     "olmoe": "blk.0.attn_q_norm.weight",
@@ -57,6 +69,7 @@ MARK = {
     "kimi_k2": "blk.1.attn_kv_b.weight",
     "glm4_moe_lite": "blk.2.attn_kv_a_mqa.weight",
     "kimi_k25": "blk.2.ffn_down_shexp.weight",
+    "gpt_oss": "blk.1.ffn_down_exps.bias",
 }
 
 
@@ -163,10 +176,17 @@ def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
             assert back.config.get(k) == first.config[k], k
     # the engine's view of the model is the same: rotary dims, routing, every layer's kind
     a, b = model_spec(first.config | {"model_type": first.model_type}), model_spec(back.config)
-    assert [(x.attention.rot_dim, x.moe, sorted(x.names)) for x in a.layers] == [
-        (x.attention.rot_dim, x.moe, sorted(x.names)) for x in b.layers
+    assert [(x.moe, sorted(x.names), x.biases) for x in a.layers] == [
+        (x.moe, sorted(x.names), x.biases) for x in b.layers
     ]
-    assert a.moe.router == b.moe.router
+    for x, y in zip(a.layers, b.layers, strict=True):  # RoPE (YaRN included), windows, scale
+        ax, ay = x.attention, y.attention
+        assert (ax.rot_dim, ax.window, ax.head_dim, ax.v_head_dim, ax.sinks, ax.qk_norm) == (
+            ay.rot_dim, ay.window, ay.head_dim, ay.v_head_dim, ay.sinks, ay.qk_norm)  # fmt: skip
+        np.testing.assert_allclose(ay.inv_freq, ax.inv_freq, rtol=1e-6)
+        assert ay.mscale == pytest.approx(ax.mscale, rel=1e-6)
+        assert ay.scale == pytest.approx(ax.scale, rel=1e-6)
+    assert a.moe == b.moe
     # the vocabulary comes back as a tokenizer.json that tokenizes like the original
     from tokenizers import Tokenizer
 

@@ -45,7 +45,7 @@ for _f in FAMILIES.values():
 
 # GGML type name -> store qtype: every GGML type the store holds byte for byte
 _TYPES = {q.upper(): q for q in QTYPES if q != "fp8"}
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre: each splits
 # every piece the previous ones left, matches kept as pieces of their own ("isolated")
 _DEEPSEEK_LETTERS = (  # llama-vocab.cpp's letter class, escaped (NFC would change it)
@@ -159,6 +159,24 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
             cfg[hf] = _f32_decimal(v) if isinstance(v, float) else v
     if g.leading_dense:
         cfg["first_k_dense_replace"] = int(get("leading_dense_block_count", 0))
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "yarn":
+        rope: dict[str, Any] = {
+            "rope_type": "yarn",
+            "rope_theta": cfg["rope_theta"],
+            "factor": _f32_decimal(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                        ("yarn_attn_factor", "attention_factor")):  # fmt: skip
+            if (v := _field(reader, f"{arch}.rope.scaling.{key}")) is not None:
+                rope[hf] = _f32_decimal(v)
+        if g.mla and (v := _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
+            # deepseek2: 0.1 * mscale_all_dim, and mscale taken equal (export_gguf's note)
+            rope["mscale"] = rope["mscale_all_dim"] = _f32_decimal(float(v) / 0.1)
+        cfg["rope_parameters"] = rope
+    elif scaling not in (None, "none"):
+        raise ConversionError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not imported")
     if g.mla:
         if _field(reader, f"{arch}.attention.key_length_mla") is not None:
             raise ConversionError(
@@ -343,15 +361,20 @@ def convert_gguf(
     for t in reader.tensors:
         tname = t.tensor_type.name
         if m := _EXPERT.match(t.name):
-            if tname not in _TYPES:
+            bias = m[3] == "bias"
+            if bias and not fam.gguf.expert_biases:
+                raise ConversionError(f"{src}: unexpected tensor {t.name}")
+            if tname not in (("F32",) if bias else _TYPES):
                 raise ConversionError(f"{src}: not supported yet: tensor {t.name} has type {tname}")
             want = [H, I, E] if m[2] != "down" else [I, H, E]  # GGML order: ne0 = columns
+            if bias:
+                want = want[1:]
             if [int(x) for x in t.shape] != want:
                 raise ConversionError(
                     f"{src}: tensor {t.name} has GGML shape {[int(x) for x in t.shape]}, "
                     f"metadata implies {want}"
                 )
-            experts.setdefault(int(m[1]), {})[m[2]] = t
+            experts.setdefault(int(m[1]), {})[f"{m[2]}_bias" if bias else m[2]] = t
         elif t.name in hf_of:
             dense.append((hf_of[t.name], t))
         else:
@@ -362,12 +385,15 @@ def convert_gguf(
             f"{src}: experts found in layers {sorted(experts)}, the metadata implies {moe}"
         )
     per_layer = {}
+    biases = fam.gguf.expert_biases
+    roles = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if biases else ())
     for layer, parts in experts.items():
-        for role in ("gate", "up", "down"):
+        for role in roles:
             if role not in parts:
-                raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{role}_exps.weight")
+                name = f"{role.removesuffix('_bias')}_exps.{'bias' if '_' in role else 'weight'}"
+                raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{name}")
         qtypes = {role: _TYPES[parts[role].tensor_type.name] for role in ("gate", "up", "down")}
-        per_layer[layer] = ExpertLayout.build(qtypes["gate"], H, I, qtypes=qtypes)
+        per_layer[layer] = ExpertLayout.build(qtypes["gate"], H, I, biases, qtypes=qtypes)
     layout, overrides = plan_layouts(per_layer)
     kinds = sorted({q for lay in per_layer.values() for q in lay.weight_qtypes})
     if quant not in kinds or len(kinds) > 1:
@@ -396,9 +422,7 @@ def convert_gguf(
         for layer in moe:
             p = experts[layer]
             for e in range(E):
-                w.write_expert(
-                    layer, e, {r: np.asarray(p[r].data[e]) for r in ("gate", "up", "down")}
-                )
+                w.write_expert(layer, e, {r: np.asarray(p[r].data[e]) for r in roles})
             if bar is not None:
                 bar.update(sum(int(p[r].n_bytes) for r in p))
         if bar is not None:

@@ -71,6 +71,10 @@ class GGUFArch:
     attn_k_b / attn_v_b would change the stored bytes).
     importable: GGUF import may pick this family (False for aliases of another, e.g. Kimi K2
     of DeepSeek-V3).
+    expert_biases: the arch has `blk.N.ffn_{gate,up,down}_exps.bias` (gpt-oss; f32 [E, rows]).
+    swa_pattern: the arch runs sliding-window attention (`attention.sliding_window`) on the
+    layers i with i % swa_pattern < swa_pattern - 1 and full attention on the others
+    (llama.cpp's set_swa_pattern; 0: no sliding window).
     partial_rotary: the arch's `rope.dimension_count` is the rotated dims of each head (the
     spec's rot_dim), imported as `partial_rotary_factor`. present: config field -> a layer-0
     GGUF tensor name whose presence sets it true on import (biases, q/k norms the arch may or
@@ -94,15 +98,20 @@ class GGUFArch:
     leading_dense: bool = False
     mla: bool = False
     importable: bool = True
+    expert_biases: bool = False
+    swa_pattern: int = 0
 
     @staticmethod
     def split_name(name: str) -> tuple[str, str]:
         """(base, suffix) of an HF tensor name as gguf's TensorNameMap looks it up:
         "...mlp.gate.e_score_correction_bias" -> ("...mlp.gate.e_score_correction", "bias")
-        (llama.cpp's converter renames it so: GGUF `blk.N.exp_probs_b.bias`), else the name
+        (llama.cpp's converter renames it so: GGUF `blk.N.exp_probs_b.bias`), "...sinks" ->
+        ("...sinks", "weight") (GGUF `blk.N.attn_sinks.weight`), else the name
         split at its last dot ("...q_proj.weight" -> ("...q_proj", "weight"))."""
         if name.endswith(".e_score_correction_bias"):
             return name[: -len("_bias")], "bias"
+        if name.endswith(".sinks"):  # gpt-oss's self_attn.sinks: GGUF attn_sinks.weight
+            return name, "weight"
         base, _, suffix = name.rpartition(".")
         return base, suffix
 
