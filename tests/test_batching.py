@@ -224,7 +224,6 @@ async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
         assert eng.scheduler.capacity() == 8
 
 
-
 @pytest.mark.parametrize("batch", ["split", "fused"])
 async def test_a_forward_with_every_record_resident_is_one_compute_trip_per_moe_layer(batch):
     """The first trip embeds and routes the first MoE layer, each MoE layer's expert trip goes
