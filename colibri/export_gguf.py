@@ -165,12 +165,30 @@ def _add_rope_scaling(w: Any, config: dict[str, Any], mla: bool) -> None:
         )
 
 
+# families without a GGUFArch: why (what llama.cpp has for them)
+NOT_EXPORTED: dict[str, str] = {
+    "qwen3_next": "llama.cpp's qwen3next reorders and reshapes the Gated DeltaNet tensors "
+    "(ssm_*), which this exporter does not do yet",
+    "qwen3_5_moe": "llama.cpp's qwen35moe reorders and reshapes the Gated DeltaNet tensors "
+    "(ssm_*), which this exporter does not do yet",
+    "llama4": "llama.cpp's llama4 (no-RoPE layers, chunked attention, interleaved MoE) is not "
+    "mapped by this exporter yet",
+    "llama4_text": "llama.cpp's llama4 (no-RoPE layers, chunked attention, interleaved MoE) is "
+    "not mapped by this exporter yet",
+    "deepseek_v32": "llama.cpp runs it as deepseek32, an architecture the installed gguf package "
+    "cannot write",
+    "glm_moe_dsa": "llama.cpp's glm-dsa (the DSA indexer tensors) is not mapped by this exporter "
+    "yet",
+}
+
+
 def _arch(store: Store) -> GGUFArch:
     fam = FAMILIES.get(store.model_type)
     if fam is None or fam.gguf is None:
+        why = NOT_EXPORTED.get(store.model_type, "llama.cpp has no architecture for it")
         raise ConversionError(
-            f"{store.path}: model_type {store.model_type!r} has no GGUF export "
-            f"(supported: {', '.join(ARCHS)})"
+            f"{store.path}: model_type {store.model_type!r} has no GGUF export: {why} "
+            f"(exported: {', '.join(ARCHS)})"
         )
     return fam.gguf
 
