@@ -14,7 +14,18 @@ converter (convert_hf_to_gguf.py):
   `head_dim` rows, new row 2i is old row i and new row 2i+1 is old row i + head_dim/2. A
   block-quantized row is a whole number of blocks, so the permutation moves quantized rows
   unchanged.
-- Qwen3-MoE -> arch "qwen3moe" (NeoX RoPE: no permutation; `expert_feed_forward_length`).
+- Qwen3-MoE -> arch "qwen3moe" (NeoX RoPE: no permutation; `expert_feed_forward_length`);
+  Qwen2-MoE -> "qwen2moe", OLMoE -> "olmoe", MiniMax-M2 -> "minimax-m2", GLM-4.5 MoE ->
+  "glm4moe" (leading dense layers, shared expert, partial rotary dims), gpt-oss -> "gpt-oss"
+  (sinks, expert biases `ffn_*_exps.bias`, sliding window on even layers). Each family's
+  GGUFArch (models/<model_type>.py) says which keys its arch reads.
+- MLA (DeepSeek-V2/V3, Kimi K2 / K2.5, GLM-4.7-Flash) -> "deepseek2" as llama.cpp runs it
+  without absorption: `attn_kv_b` whole, keys/values expanded per head (key_length =
+  qk_nope + qk_rope, value_length = v_head_dim, head_count_kv = head_count); llama.cpp's own
+  converter splits kv_b into attn_k_b (transposed) / attn_v_b for its absorbed path, which
+  would change the stored bytes. DeepSeek's interleaved RoPE is GGML's normal mode as is.
+- YaRN: rope.scaling.{type, factor, original_context_length, yarn_beta_fast/slow}, for
+  deepseek2 yarn_log_multiplier = 0.1 * mscale_all_dim (convert_hf_to_gguf's convention).
 
 GGML lists dimensions fastest first: the logical [E, d_ff, d_model] of a stacked gate tensor
 is ne = {d_model, d_ff, E}; gguf.GGUFWriter takes numpy order and reverses it.
