@@ -333,6 +333,70 @@ def matmul_q8(
     return out
 
 
+# Weight types with a GEMM on Q8_K activations (matmul_q8k).
+Q8K_ACT_TYPES = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
+Q8K_BLOCK_NBYTES = 292  # ggml's block_q8_K: f32 d, 256 int8, 16 int16 sums
+
+
+def quantize_q8_k(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Activations x float32 [..., cols] -> Q8_K blocks uint8 [..., cols // 256 * 292] for
+    matmul_q8k: per 256 values the one of largest magnitude m becomes -127, d = m / -127 (f32),
+    q = round-half-even(x * -127 / m) capped at 127, plus the int16 sums of q per 16 (ggml's
+    quantize_row_q8_K_ref). Raises KernelError if cols is not a multiple of 256 or `out` is
+    wrong."""
+    x = _f32(np.ascontiguousarray(x, np.float32), "quantize_q8_k: x")
+    cols = x.shape[-1] if x.ndim else 0
+    if x.ndim == 0 or cols % 256:
+        raise KernelError(f"quantize_q8_k: cols {cols} is not a multiple of 256")
+    shape = (*x.shape[:-1], cols // 256 * Q8K_BLOCK_NBYTES)
+    if out is None:
+        out = np.empty(shape, np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise KernelError(f"quantize_q8_k: out must be C-contiguous uint8 {shape}")
+    rc = lib.clb_quantize_q8_k(_ptr(out), _fp(x), x.size // cols if cols else 0, cols)
+    if rc:
+        _check(rc, f"quantize_q8_k(cols={cols})")
+    return out
+
+
+def matmul_q8k(
+    w: Buffer, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """out[n, rows] = xq[n, cols] @ W[rows, cols]^T for K-quant weights on Q8_K activations, a
+    GEMM tiled over the x rows (the tokens routed to an expert): per 256-weight block the exact
+    int32 sums of ggml's vec_dot_q4_K_q8_K / vec_dot_q6_K_q8_K (levels x q per sub-block times
+    its scale; the mins times x's sums), then acc = fma(sumi, d_w d_x, acc) (and
+    fma(-summ, dmin_w d_x, acc)) in block order: the same bits at every ISA level and batch
+    size (csrc/kquants_gemm.h).
+
+    w: Q4_K / Q5_K / Q6_K bytes [rows, row_nbytes]; xq: uint8 [n, cols // 256 * 292] or 1-D,
+    from quantize_q8_k; out: float32 [n, rows] or [rows] (same ndim as xq). Returns out.
+    Raises KernelError for another weight type or any shape, dtype or size mismatch."""
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    if qt not in Q8K_ACT_TYPES:
+        valid = ", ".join(sorted(q.name for q in Q8K_ACT_TYPES))
+        raise KernelError(f"matmul_q8k: weights must be one of {valid}, got {qt.name}")
+    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
+        raise KernelError("matmul_q8k: xq must be a C-contiguous uint8 numpy array (Q8_K)")
+    _f32(out, "matmul_q8k: out", writable=True)
+    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
+        raise KernelError(
+            f"matmul_q8k: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
+            "or [n, row bytes] and [n, rows]"
+        )
+    if xq.shape[-1] % Q8K_BLOCK_NBYTES:
+        raise KernelError(f"matmul_q8k: xq rows of {xq.shape[-1]} bytes are not Q8_K blocks")
+    n = xq.shape[0] if xq.ndim == 2 else 1
+    cols, rows = xq.shape[-1] // Q8K_BLOCK_NBYTES * 256, out.shape[-1]
+    want = rows * _row_nbytes(qt, cols)
+    if (got := _nbytes(w, "matmul_q8k: w")) != want:
+        raise KernelError(f"matmul_q8k: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    rc = lib.clb_matmul_q8k(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul_q8k({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
 _tls = threading.local()
 
 
