@@ -195,3 +195,12 @@ int clb_quantize_q8_k(void *out, const float *x, int64_t nrows, int64_t ncols);
 int clb_matmul_q8k(int qtype, float *y, const void *w, const void *xq, int64_t rows,
                    int64_t cols, int64_t n, int nthreads);
 int clb_q8k_supported(int qtype);
+/* The fused expert FFN (as clb_expert_ffn, same arguments but qscratch) with gate, up and down
+ * in Q4_K / Q5_K / Q6_K on Q8_K activations: x and h quantized to Q8_K (its own scratch; NaN in
+ * y if that allocation fails), the three products by clb_matmul_q8k's GEMM. d_model and d_ff
+ * multiples of 256. */
+int clb_expert_ffn_q8k(int gate_qtype, int up_qtype, int down_qtype, float *y, float *scratch,
+                       const float *x, const void *gate, const void *up, const void *down,
+                       const float *gate_bias, const float *up_bias, const float *down_bias,
+                       const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                       int act, float alpha, float limit, int accumulate, int nthreads);

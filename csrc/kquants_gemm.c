@@ -4,6 +4,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "colibri.h"
@@ -155,5 +156,107 @@ int clb_matmul_q8k(int qtype, float *y, const void *w, const void *xq, int64_t r
     }
     struct kqg_job j = {fn, qtype, y, w, xq, rows, cols, n, rb, xrb, clb_chunk_rows(rows, nt)};
     clb_parallel_for((rows + j.ch - 1) / j.ch, kqg_chunk, &j, nt);
+    return CLB_OK;
+}
+
+/* ---- the fused expert FFN on Q8_K activations ---------------------------------------------
+ * clb_expert_ffn's two parallel loops (ffn.c) with the GEMM above: x quantized to Q8_K once;
+ * chunks of d_ff rows (whole 256-column blocks) compute gate and up for every token, the
+ * activation, and quantize their columns of h to Q8_K; then chunks of d_model rows of down,
+ * whose epilogue adds the bias, scales by the routing weight and accumulates into y. */
+
+/* h = act(g, u), ffn.c's formulas (colibri.h). */
+static void kqg_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                    int act, float alpha, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float *gi = g + i * ld;
+        const float *ui = u + i * ld;
+        for (int64_t c = c0; c < c1; c++) {
+            float a = gi[c], b = ui[c];
+            if (act == CLB_ACT_SILU) {
+                a = a / (1.0f + expf(-a));
+            } else if (act == CLB_ACT_GELU) {
+                a = 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+            } else {
+                a = a < limit ? a : limit;
+                b = b < -limit ? -limit : b > limit ? limit : b;
+                a = (b + 1.0f) * (a / (1.0f + expf(-alpha * a)));
+                b = 1.0f;
+            }
+            gi[c] = a * b;
+        }
+    }
+}
+
+struct kqg_ffn {
+    kqg_rows_fn fn;
+    int qt_g, qt_u, qt_d, act, accumulate;
+    float alpha, limit;
+    uint8_t *xq, *hq;
+    float *y, *g, *u;
+    const float *gate_bias, *up_bias, *down_bias, *row_weight;
+    const uint8_t *gate, *up, *down;
+    int64_t n, d_model, d_ff, rb_g, rb_u, rb_d, xrb_model, xrb_ff, ch_ff, ch_model;
+};
+
+static void kqg_ffn_up(void *ctx, int64_t c) {
+    const struct kqg_ffn *j = ctx;
+    const int64_t f0 = c * j->ch_ff, f1 = f0 + j->ch_ff < j->d_ff ? f0 + j->ch_ff : j->d_ff;
+    j->fn(j->qt_g, j->g, j->d_ff, j->gate, j->rb_g, j->xq, j->xrb_model, j->d_model, j->n, f0,
+          f1, j->gate_bias, NULL, 0);
+    j->fn(j->qt_u, j->u, j->d_ff, j->up, j->rb_u, j->xq, j->xrb_model, j->d_model, j->n, f0, f1,
+          j->up_bias, NULL, 0);
+    kqg_act(j->g, j->u, j->d_ff, j->n, f0, f1, j->act, j->alpha, j->limit);
+    for (int64_t i = 0; i < j->n; i++) /* f0, f1 are whole 256-column blocks */
+        for (int64_t b = f0 / QK_K; b < f1 / QK_K; b++)
+            q8k_block(j->hq + i * j->xrb_ff + b * KQG_XB, j->g + i * j->d_ff + b * QK_K);
+}
+
+static void kqg_ffn_down(void *ctx, int64_t c) {
+    const struct kqg_ffn *j = ctx;
+    const int64_t m0 = c * j->ch_model;
+    const int64_t m1 = m0 + j->ch_model < j->d_model ? m0 + j->ch_model : j->d_model;
+    j->fn(j->qt_d, j->y, j->d_model, j->down, j->rb_d, j->hq, j->xrb_ff, j->d_ff, j->n, m0, m1,
+          j->down_bias, j->row_weight, j->accumulate);
+}
+
+int clb_expert_ffn_q8k(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,
+                       const void *gate, const void *up, const void *down,
+                       const float *gate_bias, const float *up_bias, const float *down_bias,
+                       const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                       int act, float alpha, float limit, int accumulate, int nthreads) {
+    if (!kqg_supported(qt_g) || !kqg_supported(qt_u) || !kqg_supported(qt_d)) return CLB_EQTYPE;
+    const int64_t rb_g = clb_kq_row_nbytes(qt_g, d_model), rb_u = clb_kq_row_nbytes(qt_u, d_model);
+    const int64_t rb_d = clb_kq_row_nbytes(qt_d, d_ff);
+    if (rb_g < 0) return (int)rb_g;
+    if (rb_u < 0) return (int)rb_u;
+    if (rb_d < 0) return (int)rb_d;
+    if (n < 0 || d_model <= 0 || d_ff <= 0 || act < CLB_ACT_SILU || act > CLB_ACT_SWIGLU_OAI)
+        return CLB_EINVAL;
+    if (n == 0) return CLB_OK;
+    if (!y || !scratch || !x || !gate || !up || !down) return CLB_EINVAL;
+    const int64_t xrb_model = clb_q8k_row_nbytes(d_model), xrb_ff = clb_q8k_row_nbytes(d_ff);
+    uint8_t *xq = malloc((size_t)(n * (xrb_model + xrb_ff)));
+    if (!xq) { /* never stale outputs: NaN where y would be written */
+        for (int64_t i = 0; i < n * d_model; i++) y[i] = NAN;
+        return CLB_OK;
+    }
+    clb_quantize_q8_k(xq, x, n, d_model);
+    const int nt = clb_threads_for(
+        nthreads, (d_ff * (rb_g + rb_u) + d_model * rb_d) * ((n + 3) / 4), d_ff);
+    const struct kqg_ffn j = {
+        .fn = kqg_rows_for_isa(), .qt_g = qt_g, .qt_u = qt_u, .qt_d = qt_d, .act = act,
+        .accumulate = accumulate, .alpha = alpha, .limit = limit, .xq = xq,
+        .hq = xq + n * xrb_model, .y = y, .g = scratch, .u = scratch + n * d_ff,
+        .gate_bias = gate_bias, .up_bias = up_bias, .down_bias = down_bias,
+        .row_weight = row_weight, .gate = gate, .up = up, .down = down, .n = n,
+        .d_model = d_model, .d_ff = d_ff, .rb_g = rb_g, .rb_u = rb_u, .rb_d = rb_d,
+        .xrb_model = xrb_model, .xrb_ff = xrb_ff,
+        .ch_ff = (clb_chunk_rows(d_ff, nt) + QK_K - 1) / QK_K * QK_K,
+        .ch_model = clb_chunk_rows(d_model, nt),
+    };
+    clb_parallel_for((d_ff + j.ch_ff - 1) / j.ch_ff, kqg_ffn_up, (void *)&j, nt);
+    clb_parallel_for((d_model + j.ch_model - 1) / j.ch_model, kqg_ffn_down, (void *)&j, nt);
+    free(xq);
     return CLB_OK;
 }

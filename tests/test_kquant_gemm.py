@@ -129,3 +129,70 @@ def test_matmul_q8k_refuses_bad_arguments():
         ops.matmul_q8k(w, "q4_k", xq[:, :-1].copy(), np.empty((2, 8), np.float32))
     with pytest.raises(KernelError, match="not a multiple of 256"):
         ops.quantize_q8_k(np.zeros((2, 96), np.float32))
+
+
+def _ffn_reference(x, gf, uf, df, rw):
+    """(y, slack): the SwiGLU FFN on Q8_K activations in float64 (x and h rounded to f32 go
+    through the numpy Q8_K reference); slack = the L2 change rounding ties of h allow (h / d_h
+    within 1e-3 of k + 0.5 may round either way from the kernel's f32 h)."""
+    from colibri.compute import ref
+
+    xd = q8k_dequantize(q8k_reference(x), x.shape[1]).astype(np.float64)
+    h = ref._act(xd @ gf.astype(np.float64).T, xd @ uf.astype(np.float64).T, 0, 1.702, 7.0)
+    h32 = h.astype(np.float32)
+    hd = q8k_dequantize(q8k_reference(h32), h32.shape[1]).astype(np.float64)
+    y = (hd @ df.astype(np.float64).T) * rw[:, None]
+    hb = h32.reshape(len(x), -1, 256)
+    dh = np.abs(hb).max(axis=2, keepdims=True) / 127
+    steps = np.abs(hb) / np.where(dh > 0, dh, 1)
+    tie = np.abs(steps - np.floor(steps) - 0.5) < 1e-3
+    col = np.linalg.norm(df, axis=0).reshape(-1, 256)
+    return y, float((tie * dh * col[None] * rw[:, None, None]).sum())
+
+
+@pytest.mark.parametrize(
+    "types",
+    [("q4_k", "q4_k", "q6_k"), ("q5_k", "q5_k", "q5_k"), ("q6_k", "q4_k", "q4_k")],
+    ids="/".join,
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_expert_ffn_q8k_matches_reference_and_is_batch_invariant(types):
+    """The fused FFN on Q8_K activations (a Q4_K_M-style record: Q6_K down) against the
+    float64 FFN of gguf-dequantized weights on Q8_K round trips of x and h; and each token's
+    row the same bits alone as among 11 tokens, at every ISA level and thread count."""
+    from tests.kernel_util import FFN_TOL
+
+    rng = np.random.default_rng(len("".join(types)))
+    d_model, d_ff, n = 512, 768, 11
+    qts = [ops.QType.parse(t) for t in types]
+    (g, gf), (u, uf), (d, df) = (
+        random_weights(rng, qts[0], d_ff, d_model),
+        random_weights(rng, qts[1], d_ff, d_model),
+        random_weights(rng, qts[2], d_model, d_ff),
+    )
+    x = (0.5 * rng.standard_normal((n, d_model))).astype(np.float32)
+    rw = rng.uniform(0.1, 1, n).astype(np.float32)
+    bias = rng.standard_normal(d_model).astype(np.float32)
+
+    def ffn(rows: slice, nt: int = 0, bias: np.ndarray | None = None) -> np.ndarray:
+        xs = np.ascontiguousarray(x[rows])
+        return ops.expert_ffn_q8k(
+            np.empty_like(xs), xs, g, u, d, types, d_model, d_ff, down_bias=bias,
+            row_weight=np.ascontiguousarray(rw[rows]), accumulate=False, nthreads=nt,
+        )  # fmt: skip
+
+    want, slack = _ffn_reference(x, gf, uf, df, rw)
+    y = ffn(slice(0, n))
+    assert np.linalg.norm(y - want) <= FFN_TOL * np.linalg.norm(want) + slack
+    ops.set_isa(ops.ISA.SCALAR)
+    bits = ffn(slice(0, n), 1, bias).view(np.uint32)
+    for isa in ISAS:
+        ops.set_isa(isa)
+        for nt in (1, 2):
+            np.testing.assert_array_equal(ffn(slice(0, n), nt, bias).view(np.uint32), bits)
+        for i in range(n):
+            np.testing.assert_array_equal(
+                ffn(slice(i, i + 1), 0, bias).view(np.uint32), bits[i : i + 1]
+            )
+    with pytest.raises(KernelError, match="must be Q4_K, Q5_K or Q6_K"):
+        ops.expert_ffn_q8k(np.empty_like(x), x, g, u, d, ("q4_k", "q4_0", "q6_k"), d_model, d_ff)

@@ -502,6 +502,58 @@ def expert_ffn(
     return out
 
 
+def expert_ffn_q8k(
+    out: np.ndarray,
+    x: np.ndarray,
+    gate: Buffer,
+    up: Buffer,
+    down: Buffer,
+    qtypes: tuple[QType | str | int, QType | str | int, QType | str | int],
+    d_model: int,
+    d_ff: int,
+    *,
+    act: Act | str | int = Act.SILU,
+    gate_bias: np.ndarray | None = None,
+    up_bias: np.ndarray | None = None,
+    down_bias: np.ndarray | None = None,
+    row_weight: np.ndarray | None = None,
+    accumulate: bool = True,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """expert_ffn for a record whose gate / up / down (`qtypes`) are all Q4_K / Q5_K / Q6_K, on
+    Q8_K activations: x and h quantized as quantize_q8_k, the three products by matmul_q8k's
+    GEMM over the n token rows (bits independent of n, the ISA level and the thread count).
+    Arguments and result as expert_ffn (d_model, d_ff multiples of 256). Raises KernelError on
+    another type or bad shapes."""
+    qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
+    if len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts):
+        raise KernelError(f"expert_ffn_q8k: gate/up/down must be Q4_K, Q5_K or Q6_K, got {qts}")
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, "expert_ffn_q8k")
+    if cols != d_model or rows != d_model:
+        raise KernelError(f"expert_ffn_q8k: x {x.shape} and out {out.shape} need d_model={d_model}")
+    wants = (d_ff * _row_nbytes(qts[0], d_model), d_ff * _row_nbytes(qts[1], d_model),
+             d_model * _row_nbytes(qts[2], d_ff))  # fmt: skip
+    for name, buf, want in zip(("gate", "up", "down"), (gate, up, down), wants, strict=True):
+        if (got := _nbytes(buf, f"expert_ffn_q8k: {name}")) != want:
+            raise KernelError(f"expert_ffn_q8k: {name} has {got} bytes, needs {want}")
+    _opt_f32(gate_bias, d_ff, "expert_ffn_q8k: gate_bias")
+    _opt_f32(up_bias, d_ff, "expert_ffn_q8k: up_bias")
+    _opt_f32(down_bias, d_model, "expert_ffn_q8k: down_bias")
+    _opt_f32(row_weight, n, "expert_ffn_q8k: row_weight")
+    scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
+    rc = lib.clb_expert_ffn_q8k(
+        *qts, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
+        ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
+        n, d_model, d_ff, a, alpha, limit, bool(accumulate), nthreads,
+    )  # fmt: skip
+    if rc:
+        _check(rc, f"expert_ffn_q8k({qts}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    return out
+
+
 def _expert_ffn_mixed(
     out: np.ndarray,
     x: np.ndarray,
