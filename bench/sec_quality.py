@@ -180,6 +180,92 @@ async def _measure(
     }
 
 
+SPEED_CTX = 512  # llama-perplexity's default window; prefill prompts of the same length
+HELLASWAG = ROOT.parent / "shared" / "data" / "eval" / "hellaswag_validation.jsonl.xz"
+
+
+async def eval_speed(
+    store: Path,
+    text: str,
+    docs: list[dict[str, Any]],
+    *,
+    threads: int,
+    budget: int | None = None,
+    rounds: int = 3,
+) -> dict[str, float]:
+    """Tokens/s of `colibri run`'s prefill and of `colibri eval` on the same store and
+    engine options, interleaved `rounds` times and the best of each kept (the machine is
+    shared: the best is the least disturbed): prefill of a SPEED_CTX-token prompt in
+    engine.prefill_chunk chunks (as `run` prefills), eval perplexity (ctx SPEED_CTX, 4
+    windows) and eval hellaswag on `docs`, both in eval's default fused batch mode and in
+    split mode. Every figure counts the tokens fed to the engine per second of wall time
+    (eval's own scoring, tokenization and log-softmax included)."""
+    from colibri.engine import open_engine
+    from colibri.eval.cli import eval_choice, eval_perplexity
+
+    best: dict[str, float] = {}
+
+    def keep(name: str, value: float) -> None:
+        best[name] = max(best.get(name, 0.0), value)
+
+    opts = dict(n_ctx=SPEED_CTX, threads=threads, budget=budget)
+    async with (
+        open_engine(store, batch="split", **opts) as split,
+        open_engine(store, batch="fused", **opts) as fused,
+    ):
+        ids = split.tokenizer.encode(text, add_special_tokens=False)[:SPEED_CTX]
+        for _ in range(rounds):
+            seq = split.new_sequence(n_ctx=SPEED_CTX)
+            t0 = time.perf_counter()
+            for start in range(0, len(ids), split.prefill_chunk):
+                await split.forward(seq, ids[start : start + split.prefill_chunk])
+            keep("prefill", len(ids) / (time.perf_counter() - t0))
+            seq.kv = None
+            for mode, engine in (("fused", fused), ("split", split)):
+                t0 = time.perf_counter()
+                r = await eval_perplexity(engine, text, SPEED_CTX, limit=4, show_progress=False)
+                keep(f"ppl_{mode}", r["statistics"]["tokens"] / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                r = await eval_choice(engine, "hellaswag", docs, "hellaswag",
+                                      show_progress=False)  # fmt: skip
+                keep(f"hellaswag_{mode}", r["statistics"]["tokens"] / (time.perf_counter() - t0))
+                best[f"hit_rate_{mode}"] = r["statistics"]["hit_rate"]
+    return best
+
+
+def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) -> tuple:
+    """The eval-speed table: per model its q4_0 store (eval's default q8_0 activations), in
+    core and with an expert cache of a third of its experts."""
+    import json
+
+    from colibri.io.format import open_store
+
+    n = 16 if ctx.quick else 64
+    with lzma.open(_shared(HELLASWAG), "rt") as f:
+        docs = [json.loads(next(f)) for _ in range(n)]
+    rows, data = [], {}
+    for name in models:
+        q4 = work / f"{name}-q4_0"
+        third = sum(r.nbytes for r in open_store(q4).records) // 3
+        for label, budget in (("in core", None), ("1/3 of experts cached", third)):
+            ctx.log(f"quality: eval speed {name} q4_0 {label}")
+            r = asyncio.run(eval_speed(q4, text, docs, threads=ctx.threads, budget=budget))
+            data[f"{name}/{label}"] = r
+            rows.append(
+                [
+                    name,
+                    label,
+                    fmt(r["prefill"], 4),
+                    fmt(r["ppl_fused"], 4),
+                    f"{r['ppl_fused'] / r['prefill']:.2f}",
+                    fmt(r["hellaswag_fused"], 4),
+                    f"{r['hellaswag_fused'] / r['prefill']:.2f}",
+                    f"{r['hellaswag_split'] / r['prefill']:.2f}",
+                ]
+            )
+    return rows, data, n
+
+
 def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) -> float | None:
     """llama-perplexity's final PPL on the store exported to GGUF, or None if not built."""
     from bench import llama_cpp
@@ -212,6 +298,15 @@ def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) 
     )
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
     return float(m.group(1)) if m else None
+
+
+def _llama_cell(r: dict[str, Any]) -> str:
+    """llama-perplexity's PPL and colibri's relative difference to it."""
+    if "llama_ppl" not in r:
+        return ""
+    if not r["llama_ppl"]:
+        return "-"
+    return f"{fmt(r['llama_ppl'], 4)} (colibri {r['ppl'] / r['llama_ppl'] - 1:+.3%})"
 
 
 def run(ctx: Context) -> Section:
@@ -252,7 +347,7 @@ def run(ctx: Context) -> Section:
                         "-" if r["routing"] is None else f"{r['routing']:.3f}",
                         fmt(r["eval_tok_s"], 4),
                         fmt(r["prefill_tok_s"], 4),
-                        fmt(r.get("llama_ppl"), 4) if "llama_ppl" in r else "",
+                        _llama_cell(r),
                     ]
                 )
         # out of core: an expert cache of a third of the q4_0 store's experts
@@ -299,6 +394,19 @@ def run(ctx: Context) -> Section:
                 target=">= prefill",
             )
         )
+    speed_rows, data["speed"], n_items = _speed_rows(ctx, models, work, text)
+    for name in models:
+        r = data["speed"][f"{name}/in core"]
+        heads.append(
+            Headline(
+                f"{name}: eval hellaswag vs prefill tok/s (q4_0)",
+                "tok/s",
+                r["hellaswag_fused"],
+                limit=r["prefill"],
+                limit_name="prefill",
+                target=">= prefill",
+            )
+        )
     md = [
         f"`colibri eval --task perplexity` (llama-perplexity's method: windows of {CTX} tokens, "
         f"second half scored, {windows} windows of real c4 text) of each store against its "
@@ -327,6 +435,30 @@ def run(ctx: Context) -> Section:
                 "llama-perplexity PPL",
             ],
             rows,
+        ),
+    ]
+    md += [
+        "",
+        "Eval speed: tokens fed per second of wall time, the best of 3 interleaved "
+        f"rounds, on each model's q4_0 store (q8_0 activations): `colibri run`'s prefill of a "
+        f"{SPEED_CTX}-token prompt (256-token chunks), `colibri eval --task perplexity --ctx "
+        f"{SPEED_CTX}` (4 windows, batched; the output head runs on the scored half of every "
+        f"window, which prefill skips) and `--task hellaswag` on {n_items} items (items and "
+        "choices batched: prefixes once, every choice from a fork of its prefix's KV cache), "
+        "in eval's default fused batch mode, and hellaswag in split mode.",
+        "",
+        table(
+            [
+                "model",
+                "experts",
+                "prefill tok/s",
+                "eval PPL tok/s",
+                "PPL / prefill",
+                "eval hellaswag tok/s",
+                "hellaswag / prefill",
+                "hellaswag split / prefill",
+            ],
+            speed_rows,
         ),
     ]
     if not any(

@@ -423,6 +423,33 @@ async def test_choice_reference(tiny, tmp_path):
     assert m["pred_agreement"] == pytest.approx(agree)
 
 
+async def test_forward_batch_and_fork():
+    """Engine.forward_batch of forks of one prefix equals forward() of each continuation
+    after the prefix in its own sequence (split mode: bit-identical); bad input names the
+    sequence."""
+    from colibri.errors import ColibriError
+
+    async with open_engine(DEMO, n_ctx=64, batch="split") as engine:
+        prefix, conts = [1, 50, 60, 70], [[80, 90], [81], [82, 83, 84]]
+        base = engine.new_sequence()
+        await engine.forward(base, prefix)
+        forks = [base.fork() for _ in conts]
+        got = await engine.forward_batch(forks, conts, [True, False, True], [1, 0, 0])
+        for c, g, full, first in zip(conts, got, [True, False, True], [1, 0, 0], strict=True):
+            alone = engine.new_sequence()
+            await engine.forward(alone, prefix)
+            want = await engine.forward(alone, c, all_logits=full, logits_from=first)
+            assert np.array_equal(g, want)
+        assert [f.tokens for f in forks] == [prefix + c for c in conts]
+        assert base.tokens == prefix and base.length == len(prefix)  # the forks are copies
+        with pytest.raises(ColibriError, match="sequence 1: token id 99999"):
+            await engine.forward_batch([base.fork(), base.fork()], [[1], [99999]])
+        with pytest.raises(ColibriError, match="sequence 0 has no tokens"):
+            await engine.forward_batch([base.fork()], [[]])
+        with pytest.raises(ColibriError, match="sequence 0: 65 tokens exceed"):
+            await engine.forward_batch([base.fork()], [[5] * 61])
+
+
 # ---- CLI, JSON and inputs -----------------------------------------------------------------
 
 
