@@ -33,6 +33,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
+def target_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """float64 log-softmax(logits[i])[targets[i]] for f32 logits [n, vocab] and int targets
+    [n]: the log-sum-exp per row in float64, without the full log-softmax array."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
+    return x[np.arange(len(targets)), targets] - lse
+
+
 def added_bos(tokenizer: Any) -> int | None:
     """The id the tokenizer's post-processor puts in front of encoded text (its BOS), or None
     when it adds nothing in front. Taken from the encoding itself, not from configuration
@@ -252,8 +261,7 @@ async def _score_group(
             if n:
                 r, offset = np.concatenate([lasts[k][None], r]), n - 1
             pos = np.arange(len(ctx) - 1, len(s) - 1)  # logits at pos predict s[pos + 1]
-            lp = log_softmax(r[pos - offset])
-            out[k].append(lp[np.arange(len(pos)), np.asarray(s)[pos + 1]])
+            out[k].append(target_logprobs(r[pos - offset], np.asarray(s)[pos + 1]))
         return out
     finally:
         for seq in bases + forks:
@@ -420,6 +428,9 @@ async def perplexity(
         for b, w in enumerate(batch):
             rows = got[0][b]
             targets = np.asarray(w[first + 1 :])
+            if ref is None:
+                nll.append(-target_logprobs(rows, targets))
+                continue
             lp = log_softmax(rows)
             idx = np.arange(len(targets))
             nll.append(-lp[idx, targets])
