@@ -1,15 +1,17 @@
 """Log-likelihoods of given tokens, through the engine's public API only.
 
-- `score_requests` / `continuation_logprobs`: the log-probability of each continuation token
-  given its context (multiple choice; a server's `echo` prompt logprobs). The longest token
-  prefix the requests share is computed once; every request continues from its KV cache
-  (Sequence.truncate rewinds it).
+- `score_items` / `score_requests` / `continuation_logprobs`: the log-probability of each
+  continuation token given its context (multiple choice). The longest token prefix an item's
+  requests share is computed once; every request continues from a fork of its KV cache
+  (Sequence.fork); items are scored in groups through batched forwards
+  (Engine.forward_batch): the group's prefixes together, then all their continuations.
 - `encode_pair`: lm-evaluation-harness's request tokenization (lm_eval/api/model.py
   `_encode_pair` and HFLM.tok_encode).
 - `perplexity`: llama.cpp's llama-perplexity method (tools/perplexity/perplexity.cpp,
   perplexity()): non-overlapping windows of n_ctx tokens, each scored on its second half,
   BOS replacing each window's first token where the tokenizer adds BOS; optionally against a
-  reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer).
+  reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer);
+  windows are fed side by side in batched forwards too.
 
 Log-softmax runs in float64 on the engine's f32 logits.
 """
