@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.io.cache import POLICIES
 from colibri.io.format import Store, open_store
 from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
@@ -95,7 +96,8 @@ def default_budget(store: Store, dense_nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """budget: expert cache bytes (None: default_budget). policy: "lru" | "lfu" | "lfru".
+    """budget: expert cache bytes (None: default_budget). policy: "nextuse" (default: the
+    estimated-farthest-next-use policy, colibri.io.cache.NextUsePolicy) | "lru" | "lfu" | "lfru".
     prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
     each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_0" (default:
@@ -104,7 +106,7 @@ class EngineOptions:
     (exact f32 activations); float weights always keep f32."""
 
     budget: int | None = None
-    policy: str = "lru"
+    policy: str = "nextuse"
     prefetch: bool = True
     io: str = "auto"
     threads: int = 0
@@ -128,8 +130,8 @@ class EngineOptions:
 
         if self.budget is not None and self.budget <= 0:
             raise bad("budget", "must be a positive number of bytes")
-        if self.policy not in ("lru", "lfu", "lfru"):
-            raise bad("policy", "must be lru, lfu or lfru")
+        if self.policy not in POLICIES:
+            raise bad("policy", f"must be one of {', '.join(POLICIES)}")
         if self.io not in ("auto", "uring", "threads", "mmap"):
             raise bad("io", "must be auto, uring, threads or mmap")
         if self.threads < 0:

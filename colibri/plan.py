@@ -25,7 +25,7 @@ from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, available_memory, default_budget
 from colibri.errors import ColibriError
-from colibri.io.cache import ExpertCache, hot_set, load_usage
+from colibri.io.cache import POLICIES, ExpertCache, hot_set, load_usage
 from colibri.io.format import BLOCK_QTYPES, Store, open_store, tensor_nbytes
 from colibri.machine import (
     MachineProfile,
@@ -77,7 +77,7 @@ def kv_nbytes(store: Store, n_ctx: int, kv_dtype: str) -> int:
 
 
 def expected_hit_rate(
-    store: Store, capacity: int, policy: str = "lru", trace: str | None = None
+    store: Store, capacity: int, policy: str = "nextuse", trace: str | None = None
 ) -> tuple[float, str, str]:
     """(hit rate, source "trace" | "usage" | "uniform", detail) for an expert cache of
     `capacity` records. Raises ColibriError when the trace does not match the store."""
@@ -122,7 +122,7 @@ def make_plan(
     budget: int | None = None,
     n_ctx: int = DEFAULT_N_CTX,
     kv_dtype: str = "f32",
-    policy: str = "lru",
+    policy: str = "nextuse",
     trace: str | None = None,
     profile: MachineProfile | None = None,
     measure: bool = True,
@@ -316,7 +316,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ctx", dest="n_ctx", type=int, default=DEFAULT_N_CTX, help="context tokens")
     p.add_argument("--kv", dest="kv_dtype", choices=("f32", "f16"), default="f32")
-    p.add_argument("--policy", choices=("lru", "lfu", "lfru", "belady"), default="lru")
+    p.add_argument("--policy", choices=(*POLICIES, "belady"), default="nextuse")
     p.add_argument("--trace", metavar="FILE", help="routing trace (.npz or Mixtral .jsonl)")
     p.add_argument(
         "--mirror",

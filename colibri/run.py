@@ -18,6 +18,7 @@ from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
 from colibri.errors import TokenizerError
+from colibri.io.cache import POLICIES
 from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
@@ -59,9 +60,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--policy",
-        choices=("lru", "lfu", "lfru"),
-        default="lru",
-        help="expert cache eviction policy (default lru)",
+        choices=POLICIES,
+        default="nextuse",
+        help="expert cache eviction policy (default nextuse: evict the record whose next use is "
+        "estimated farthest, from the layer cycle and routing frequencies)",
     )
     g.add_argument(
         "--no-prefetch",
