@@ -178,14 +178,16 @@ class Server(HttpServer):
 
 
 class LlamaServer(HttpServer):
-    """llama-server --parallel 8 on `gguf` (continuous batching, its default), same threads."""
+    """llama-server --parallel 8 on `gguf` (continuous batching, its default) with `threads`
+    threads (llama_threads)."""
 
     name = "llama-server"
 
-    def __init__(self, ctx: Context, gguf: Path, *extra: str, limit: int | None = None) -> None:
+    def __init__(self, ctx: Context, gguf: Path, *extra: str, threads: int,
+                 limit: int | None = None) -> None:  # fmt: skip
         llama_cpp.drop_file_cache(gguf)
         cmd = [str(llama_cpp.llama_bin_dir() / "llama-server"), "-m", str(gguf),
-               "--host", "127.0.0.1", "--port", str(self.port), "-t", str(ctx.threads),
+               "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-np", str(PARALLEL), "-c", str(PARALLEL * CTX), "--no-webui", *extra]  # fmt: skip
         super().__init__(ctx, cmd, limit)
 
@@ -268,6 +270,19 @@ def _scenario(ctx: Context, name: str, start: Any, plan: dict[str, Any],
                 r["cgroup_peak_bytes"] = srv.cgroup.get("peak_bytes")
                 r["oom_kills"] = srv.cgroup.get("oom_kills")
     return rows
+
+
+def llama_threads(ctx: Context, gguf: Path) -> tuple[int, dict[int, float]]:
+    """The thread count (1 .. ctx.threads) at which llama.cpp decodes `gguf` fastest here, by
+    llama-bench tg16, and the tok/s of each. On a machine shared with other jobs, llama.cpp's
+    spinning thread barriers can make 2 threads 10x slower than 1 (measured: 0.7 vs 11 tok/s
+    at load average 12 on 2 cores), so the peer gets its best count, not ours."""
+    speeds = {}
+    for t in range(1, ctx.threads + 1):
+        r = llama_cpp.run_llama_bench(gguf, t, n_prompt=0, n_gen=16, repetitions=1)
+        ctx.record(r["cmd"])
+        speeds[t] = r["tg_tok_s"] or 0.0
+    return max(speeds, key=lambda t: speeds[t]), speeds
 
 
 def fmt_ms(v: float | None) -> str:
@@ -357,18 +372,24 @@ def run(ctx: Context) -> Section:
         kv = PARALLEL * CTX * layers * 2 * spec["num_key_value_heads"] * head_dim * 4
         limit = dense + budget + kv + LIMIT_MARGIN
         eng = ["--prefix-cache", "0", "--ctx", str(CTX)]
-        rows += _scenario(ctx, "OLMoE shape, in RAM: colibri",
-                          lambda: Server(ctx, ooc, *eng), ooc_plan, 50304)  # fmt: skip
+        lt = ctx.threads
         if have_llama:
-            rows += _scenario(ctx, "OLMoE shape, in RAM: llama-server",
-                              lambda: LlamaServer(ctx, gguf), ooc_plan, 50304)  # fmt: skip
-        rows += _scenario(ctx, "OLMoE shape, out of core: colibri",
-                          lambda: Server(ctx, ooc, *eng, "--budget", str(budget), limit=limit),
-                          ooc_plan, 50304)  # fmt: skip
-        if have_llama:
-            rows += _scenario(ctx, "OLMoE shape, out of core: llama-server",
-                              lambda: LlamaServer(ctx, gguf, "--no-repack", limit=limit),
-                              ooc_plan, 50304)  # fmt: skip
+            lt, speeds = llama_threads(ctx, gguf)
+            notes.append(f"llama-server threads: {lt} (llama-bench tg16 tok/s by threads: "
+                         + ", ".join(f"{t}: {v:.2f}" for t, v in speeds.items()) + "); colibri "
+                         f"{ctx.threads}")  # fmt: skip
+            ctx.log(notes[-1])
+        scenarios = [
+            ("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)),
+            ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt)),
+            ("OLMoE shape, out of core: colibri",
+             lambda: Server(ctx, ooc, *eng, "--budget", str(budget), limit=limit)),
+            ("OLMoE shape, out of core: llama-server",
+             lambda: LlamaServer(ctx, gguf, "--no-repack", threads=lt, limit=limit)),
+        ]  # fmt: skip
+        for name, start in scenarios:
+            if have_llama or "llama" not in name:
+                rows += _scenario(ctx, name, start, ooc_plan, 50304)
     except Exception as exc:  # the in-RAM figures still count
         notes.append(f"OLMoE-shape scenarios failed: {exc!r}")
         ctx.log(notes[-1])
