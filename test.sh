@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh test
-.venv/bin/python -m ruff check colibri tests bench tools
-.venv/bin/python -m ruff format --check colibri tests bench tools
+.venv/bin/python -m ruff check colibri tests tools
+.venv/bin/python -m ruff format --check colibri tests tools
 exec .venv/bin/python -m pytest -q "$@"

@@ -14,6 +14,7 @@ those it would get alone.
 from __future__ import annotations
 
 import asyncio
+import copy
 import errno
 import json
 import os
@@ -267,6 +268,14 @@ class Sequence:
         self.kv.restore(kv)
         del self.tokens[n:]
 
+    def fork(self) -> Sequence:
+        """A new sequence holding a copy of this one's state (its KV cache, of the same
+        n_ctx, recurrent state included, and its tokens): several continuations of one
+        prefix computed once, run side by side in one Engine.forward_batch (colibri/eval)."""
+        other = Sequence(copy.deepcopy(self.kv))
+        other.tokens = list(self.tokens)
+        return other
+
 
 class Engine:
     """A store opened for inference. Create with open_engine(); close with aclose()."""
@@ -395,6 +404,49 @@ class Engine:
         )
         seq.tokens.extend(tokens)
         return logits
+
+    async def forward_batch(
+        self,
+        seqs: Seq[Sequence],
+        tokens: Seq[Seq[int]],
+        all_logits: Seq[bool] = (),
+        logits_from: Seq[int] = (),
+    ) -> list[np.ndarray]:
+        """forward() of several sequences in one batched pass (Pipeline.forward_batch: the
+        union of their experts read once, every expert run over each sequence's rows; in
+        the default split batch mode each sequence's logits are bit-identical to a forward()
+        of it alone). tokens[s]: the next tokens of seqs[s] (non-empty); all_logits[s] /
+        logits_from[s] as forward()'s (default False / 0). Returns one array per sequence,
+        f32 [vocab_size] or [len(tokens[s]) - logits_from[s], vocab_size]. Raises
+        ColibriError as forward() does, naming the sequence's index in the batch."""
+        if len(tokens) != len(seqs) or len(set(map(id, seqs))) != len(seqs):
+            raise ColibriError("forward_batch: one list of tokens per distinct sequence")
+        full = list(all_logits) + [False] * (len(seqs) - len(all_logits))
+        first = list(logits_from) + [0] * (len(seqs) - len(logits_from))
+        batch = []
+        vocab = self.spec.vocab_size
+        for i, (seq, toks) in enumerate(zip(seqs, tokens, strict=True)):
+            ids = np.asarray(toks, dtype=np.int64)
+            if not ids.size:
+                raise ColibriError(f"forward_batch: sequence {i} has no tokens")
+            if not 0 <= first[i] <= ids.size:
+                raise ColibriError(f"sequence {i}: logits_from {first[i]} outside 0..{ids.size}")
+            if seq.length + ids.size > seq.kv.n_ctx:
+                raise ColibriError(
+                    f"sequence {i}: {seq.length + ids.size} tokens exceed the context length "
+                    f"{seq.kv.n_ctx} (set n_ctx / --ctx)"
+                )
+            if ids.min() < 0 or ids.max() >= vocab:
+                bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+                raise ColibriError(
+                    f"sequence {i}: token id {bad} is outside the model's vocabulary "
+                    f"(vocab_size {vocab})"
+                )
+            batch.append((ids, seq.kv))
+        out = await self.pipeline.forward_batch(batch, full, first)
+        for seq, toks in zip(seqs, tokens, strict=True):
+            seq.tokens.extend(int(t) for t in toks)
+        return out
 
     @contextmanager
     def capture_routing(self) -> Iterator[RoutingTraceWriter]:

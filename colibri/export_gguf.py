@@ -107,14 +107,62 @@ def _cfg(config: dict[str, Any], *keys: str, default: Any = ...) -> Any:
     return default
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
+    if kind not in ("default", "yarn", None):
         raise ConversionError(
-            f"manifest.json config: rope type {kind!r} is not exported (only plain RoPE)"
+            f"manifest.json config: rope type {kind!r} is not exported (plain RoPE and YaRN are)"
         )
+    return rope
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    rope = _rope(config)
     return float(rope.get("rope_theta", _cfg(config, "rope_theta", default=10000.0)))
+
+
+def _add_rope_scaling(w: Any, config: dict[str, Any], mla: bool) -> None:
+    """YaRN as convert_hf_to_gguf writes it: type, factor, original context, beta_fast /
+    beta_slow, and for MLA (deepseek2) yarn_log_mul = 0.1 * mscale_all_dim; llama.cpp then
+    takes mscale to be mscale_all_dim (1 when that is 1), so other mscales are refused, as is
+    an explicit attention_factor, which llama.cpp's deepseek2 ignores."""
+    rope = _rope(config)
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return
+    gguf = _gguf()
+    for key in ("factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise ConversionError(f"manifest.json config: YaRN rope_parameters lacks {key!r}")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
+        if rope.get(key) is not None:
+            add(float(rope[key]))
+    if rope.get("truncate", True) is False:  # gpt-oss; llama.cpp's converter says nothing
+        warnings.warn(
+            "YaRN with truncate false: llama.cpp rounds the ramp's ends to whole dims (as "
+            "truncate true does); a few rotary frequencies differ slightly from the model's",
+            stacklevel=3,
+        )
+    if not mla:
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+        return
+    m_all = float(rope.get("mscale_all_dim") or 0.0)
+    if m_all:
+        w.add_rope_scaling_yarn_log_mul(0.1 * m_all)
+    if float(rope.get("mscale") or 1.0) != (m_all if m_all else 1.0):
+        raise ConversionError(
+            f"manifest.json config: YaRN mscale {rope.get('mscale')} != mscale_all_dim "
+            f"{m_all}; llama.cpp's deepseek2 assumes them equal"
+        )
+    if rope.get("attention_factor") is not None:
+        raise ConversionError(
+            "manifest.json config: YaRN attention_factor is ignored by llama.cpp's deepseek2"
+        )
 
 
 def _arch(store: Store) -> GGUFArch:
@@ -135,10 +183,12 @@ def _config(store: Store) -> dict[str, Any]:
 def _check_supported(store: Store) -> None:
     g, cfg = _arch(store), _config(store)
     n_layer = int(_cfg(cfg, "num_hidden_layers"))
-    if store.moe_layers != list(range(n_layer)):
+    lead = n_layer - len(store.moe_layers)
+    if store.moe_layers != list(range(lead, n_layer)) or (lead and not g.leading_dense):
+        what = "a run of dense layers then MoE ones" if g.leading_dense else "every layer MoE"
         raise ConversionError(
-            f"{store.path}: only stores whose every layer is MoE are exported "
-            f"(MoE layers: {store.moe_layers})"
+            f"{store.path}: llama.cpp's {g.name} runs {what}; this store's MoE layers are "
+            f"{store.moe_layers} of {n_layer}"
         )
     fp8 = [n for n in store.dense_names() if store.dense_qtype(n) == "fp8"]
     fp8 += [
@@ -150,8 +200,14 @@ def _check_supported(store: Store) -> None:
             f"{' …' if len(fp8) > 3 else ''} written as their exact f32 values",
             file=sys.stderr,
         )
-    if set(store.layout.tensors) != {"gate", "up", "down"}:
-        raise ConversionError(f"{store.path}: expert biases have no place in arch {g.arch}")
+    parts = {"gate", "up", "down"} | (
+        {"gate_bias", "up_bias", "down_bias"} if g.expert_biases else set()
+    )
+    if set(store.layout.tensors) != parts:
+        raise ConversionError(
+            f"{store.path}: expert tensors {sorted(store.layout.tensors)}; llama.cpp's {g.name} "
+            f"has {sorted(parts)}"
+        )
     for key, value in g.implied.items():
         if cfg.get(key) != value:
             raise ConversionError(
@@ -166,12 +222,31 @@ def _check_supported(store: Store) -> None:
         )
     spec = model_spec({**store.config, "model_type": store.model_type})
     window = max(layer.attention.window for layer in spec.layers)
-    if window and window < spec.max_position_embeddings:
+    if g.swa_pattern:
+        k = g.swa_pattern
+        want = [window if i % k < k - 1 else 0 for i in range(len(spec.layers))]
+        if [layer.attention.window for layer in spec.layers] != want:
+            raise ConversionError(
+                f"{store.path}: sliding-window layers {[x.attention.window for x in spec.layers]}"
+                f"; llama.cpp's {g.name} slides on layers i % {k} < {k - 1} only"
+            )
+    elif window and window < spec.max_position_embeddings:
         warnings.warn(
             f"{store.path}: sliding_window={window} is ignored by llama.cpp's {g.name} arch; "
             "outputs differ past that many tokens",
             stacklevel=3,
         )
+
+
+def _add_typed(w: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        raise ConversionError(f"GGUF key {key}: value {value!r} is not a number")
 
 
 def _add_hparams(w: Any, store: Store) -> None:
@@ -185,9 +260,21 @@ def _add_hparams(w: Any, store: Store) -> None:
     w.add_embedding_length(n_embd)
     w.add_block_count(int(_cfg(cfg, "num_hidden_layers")))
     w.add_head_count(n_head)
-    w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
+    attn = model_spec({**store.config, "model_type": store.model_type}).layers[0].attention
+    if attn.mla is not None:  # deepseek2 without absorption: keys and values per head (MHA)
+        w.add_head_count_kv(n_head)
+        w.add_kv_lora_rank(attn.mla.kv_lora_rank)
+        w.add_q_lora_rank(attn.mla.q_lora_rank or 0)  # 0: q_proj (llama.cpp's "lite" path)
+        w.add_key_length(attn.head_dim)  # qk_nope + qk_rope
+        w.add_value_length(attn.v_head_dim)
+    else:
+        w.add_head_count_kv(int(_cfg(cfg, "num_key_value_heads", default=n_head)))
     w.add_rope_freq_base(_rope_theta(cfg))
-    w.add_rope_dimension_count(head_dim)
+    _add_rope_scaling(w, cfg, attn.mla is not None)
+    if attn.mla is not None:
+        w.add_rope_dimension_count(attn.mla.qk_rope_head_dim)
+    else:
+        w.add_rope_dimension_count(attn.rot_dim if g.partial_rotary else head_dim)
     w.add_layer_norm_rms_eps(float(_cfg(cfg, "rms_norm_eps")))
     w.add_expert_count(store.num_experts)
     w.add_expert_used_count(int(_cfg(cfg, "num_experts_per_tok")))
@@ -198,9 +285,17 @@ def _add_hparams(w: Any, store: Store) -> None:
         w.add_expert_feed_forward_length(store.layout.d_ff)
     if g.shared_ff_key is not None:  # qwen2moe: the shared expert's n_ff
         w.add_expert_shared_feed_forward_length(int(_cfg(cfg, "shared_expert_intermediate_size")))
-    if store.config.get("head_dim") is not None:  # may differ from n_embd / n_head
+    if g.leading_dense:
+        w.add_leading_dense_block_count(int(_cfg(cfg, "num_hidden_layers")) - len(store.moe_layers))
+    # head_dim may differ from n_embd / n_head
+    if cfg.get("head_dim") is not None and attn.mla is None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    for key, field in g.hparams.items():
+        if cfg.get(field) is not None:
+            _add_typed(w, f"{w.arch}.{key}", cfg[field])
+    for key, value in g.fixed.items():
+        _add_typed(w, f"{w.arch}.{key}", value)
     w.add_file_type(file_type(store))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -268,7 +363,7 @@ def _plan(store: Store) -> list[_Tensor]:
     n_head_kv = int(_cfg(cfg, "num_key_value_heads", default=n_head))
     plan: list[_Tensor] = []
     for hf in store.dense_names():
-        base, suffix = hf.rsplit(".", 1)
+        base, suffix = g.split_name(hf)
         gname = names.get_name(base)
         if gname is None or suffix not in ("weight", "bias"):
             raise ConversionError(
@@ -284,13 +379,16 @@ def _plan(store: Store) -> list[_Tensor]:
         load = lambda n=hf, h=heads: _dense_bytes(store, n, h)  # noqa: E731
         plan.append(_Tensor(f"{gname}.{suffix}", shape, gguf_qtype(qtype), load))
     for layer in store.moe_layers:
+        tensors = store.layout_for(layer).tensors
         stack = _ExpertStack(store, layer)
         for part, tensor in EXPERT_TENSORS.items():
-            spec = store.layout_for(layer).tensors[part]
             gname = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, tensor)].format(bid=layer)
-            shape = (store.num_experts, *spec.shape)
-            qt = gguf_qtype(spec.qtype)
-            plan.append(_Tensor(f"{gname}.weight", shape, qt, stack.loader(part)))
+            for key, suffix in ((part, "weight"), (f"{part}_bias", "bias")):
+                if key in tensors:
+                    spec = tensors[key]
+                    shape = (store.num_experts, *spec.shape)
+                    qt = gguf_qtype(spec.qtype)
+                    plan.append(_Tensor(f"{gname}.{suffix}", shape, qt, stack.loader(key)))
     return plan
 
 
@@ -301,7 +399,7 @@ class _ExpertStack:
     def __init__(self, store: Store, layer: int) -> None:
         self.store, self.layer = store, layer
         self.raw: np.ndarray | None = None
-        self.left = set(EXPERT_TENSORS)
+        self.left = set(store.layout_for(layer).tensors)
 
     def _read(self) -> np.ndarray:
         st = self.store
@@ -451,7 +549,8 @@ def _add_vocab(w: Any, store: Store) -> str:
         raise TokenizerError(f"{path}: not valid JSON: {exc}") from None
     tcfg_path = store.path / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
-    vocab_size = int(_cfg(store.config, "vocab_size"))
+    cfg = _config(store)
+    vocab_size = int(_cfg(cfg, "vocab_size"))
     kind, tokens, scores, types = vocab_tokens(
         tok, vocab_size, _token_text(tcfg.get("unk_token")) or "<unk>"
     )
@@ -469,7 +568,7 @@ def _add_vocab(w: Any, store: Store) -> str:
     w.add_token_types(types)
     special = gguf.SpecialVocab(store.path, load_merges=kind == "gpt2", n_vocab=vocab_size)
     for typ in ("bos", "eos", "pad", "unk"):  # the model config's ids as the last resort
-        tid = store.config.get(f"{typ}_token_id")
+        tid = cfg.get(f"{typ}_token_id", store.config.get(f"{typ}_token_id"))
         if typ not in special.special_token_ids and isinstance(tid, int) and tid < vocab_size:
             special.special_token_ids[typ] = tid
     special.add_to_gguf(w, quiet=True)

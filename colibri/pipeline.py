@@ -18,7 +18,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -37,6 +37,28 @@ class StepTimes:
     layers: int = 0
     experts: int = 0
     steps: int = 0  # forward passes (one per batch of sequences)
+
+
+@dataclass
+class _Step:
+    """One forward pass's state, shared by its trips to the compute thread."""
+
+    kvs: list[KVCache]
+    pos0: list[int]  # each sequence's first position
+    want: list[bool]  # all_logits per sequence
+    first: list[int]  # logits_from per sequence
+    xs: list[np.ndarray] = field(default_factory=list)  # hidden states f32 [n_s, d_model]
+    stacked: np.ndarray | None = None  # fused batches: every row; xs are views into it
+
+
+@dataclass
+class _Routed:
+    """What a trip returns when it stops at MoE layer `layer`: routed[s] = (h, ids, weights)
+    per sequence (one entry for fused batches), and the next MoE layer's predicted experts."""
+
+    layer: int
+    routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    predicted: tuple[int, list[int]] | None
 
 
 class Pipeline:
@@ -148,25 +170,18 @@ class Pipeline:
                     f"{kv.n_ctx} (raise it with --ctx / n_ctx=)"
                 )
             pos0.append(kv.length)
-        m = self.model
         if self.prefetcher is not None:
             self.prefetcher.new_token()
-        xs = await self._run(self._embed, [t for t, _ in batch])
-        stacked = None
-        if self.fused:  # one array, each sequence's rows a view into it
-            stacked = np.concatenate(xs)
-            offsets = np.cumsum([0] + [len(x) for x in xs])
-            xs = [stacked[a:b] for a, b in itertools.pairwise(offsets)]
-        kvs = [kv for _, kv in batch]
+        want = list(all_logits) + [False] * (len(batch) - len(all_logits))
+        first = list(logits_from) + [0] * (len(batch) - len(logits_from))
+        step = _Step([kv for _, kv in batch], pos0, want, first)
+        # one trip to the compute thread per layer when its records are ready: the first trip
+        # embeds and runs up to the first MoE layer's routing; each layer's last expert trip
+        # goes on with the next layer's attention and routing (or the logits after the last)
+        state = await self._run(self._begin, [t for t, _ in batch], step)
         records = 0  # expert records this step requested, over all layers
-        for spec in m.spec.layers:
-            i = spec.index
-            if not spec.moe:  # a dense layer: one trip to the compute thread
-                await self._run(self._dense_layers, i, xs, kvs, pos0)
-                continue
-            routed, predicted = await self._run(
-                self._attention_and_route, i, xs, kvs, pos0, stacked
-            )
+        while isinstance(state, _Routed):
+            i, routed = state.layer, state.routed
             if self.tracer is not None:
                 t0 = self._traced
                 for _h, ids, weights in routed:
@@ -182,19 +197,42 @@ class Pipeline:
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             self.cache.request(i, experts)  # misses go to disk now, as one batch
             records += len(experts)
-            if self.prefetcher is not None and predicted is not None:
-                self.prefetcher.predict(*predicted)
-            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
+            if self.prefetcher is not None and state.predicted is not None:
+                self.prefetcher.predict(*state.predicted)
+            state = await self._moe(i, step, routed, experts)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
             self._traced += len(tokens)
         self.times.steps += 1
         self.last_step = (len(batch), records)
-        want = list(all_logits) + [False] * (len(batch) - len(all_logits))
-        first = list(logits_from) + [0] * (len(batch) - len(logits_from))
-        fused = stacked is not None or (len(xs) > 1 and m.lm_head.row_invariant)
-        return await self._run(self._logits, xs, want, first, fused)
+        return state
+
+    def _begin(self, tokens: list[np.ndarray], step: _Step) -> _Routed | list[np.ndarray]:
+        """The first trip: embed every sequence's tokens into step.xs (views into one
+        stacked array for fused batches), then _head from layer 0."""
+        step.xs = self._embed(tokens)
+        if self.fused:  # one array, each sequence's rows a view into it
+            step.stacked = np.concatenate(step.xs)
+            offsets = np.cumsum([0] + [len(x) for x in step.xs])
+            step.xs = [step.stacked[a:b] for a, b in itertools.pairwise(offsets)]
+        return self._head(0, step)
+
+    def _head(self, start: int, step: _Step) -> _Routed | list[np.ndarray]:
+        """Layers from `start` up to the next MoE layer: dense layers whole, then the MoE
+        layer's attention and routing (a _Routed); after the last layer, the logits
+        _logits returns."""
+        m = self.model
+        for spec in m.spec.layers[start:]:
+            i = spec.index
+            if spec.moe:
+                routed, predicted = self._attention_and_route(
+                    i, step.xs, step.kvs, step.pos0, step.stacked
+                )
+                return _Routed(i, routed, predicted)
+            self._dense_layers(i, step.xs, step.kvs, step.pos0)
+        fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
+        return self._logits(step.xs, step.want, step.first, fused)
 
     def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
         return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
@@ -290,18 +328,21 @@ class Pipeline:
     async def _moe(
         self,
         i: int,
-        xs: list[np.ndarray],
+        step: _Step,
         routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         experts: list[int],
-    ) -> None:
+    ) -> _Routed | list[np.ndarray]:
         """x_s += shared expert (if any) + sum of the routed experts' weighted outputs, for
-        every sequence s of the batch (routed[s] = (h, ids, weights)).
+        every sequence s of the batch (routed[s] = (h, ids, weights); one entry over the
+        stacked rows for fused batches), then _head(i + 1): returns what it returns.
 
         Records already in the cache are computed in the first trip to the compute thread,
         together with the shared experts, while the misses are read; each later trip takes
         every record that has arrived. Each expert writes its own slot of the sequence's
-        `slots` (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
+        `slots` (f32 [n, k, d_model]); the last trip adds them to x in slot order and goes on
+        with the next layers, so with every record ready a layer is one trip.
         """
+        xs = step.xs if step.stacked is None else [step.stacked]
         slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
@@ -330,14 +371,22 @@ class Pipeline:
                         raise error
                 batch, ready = ready, []
                 try:
-                    await self._run(
-                        self._expert_step, i, batch, xs, routed, slots, first, not pending
+                    result = await self._run(
+                        self._expert_step,
+                        i,
+                        batch,
+                        xs,
+                        routed,
+                        slots,
+                        first,
+                        None if pending else step,
                     )
                     self.times.experts += len(batch)
                 finally:
                     for _, lease in batch:
                         lease.release()
                 first = False
+            return result
         finally:
             # on error or cancellation: stop the other reads, collect their outcome (so no
             # exception goes unretrieved) and release what they hold
@@ -358,11 +407,12 @@ class Pipeline:
         routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         slots: list[np.ndarray],
         first: bool,
-        last: bool,
-    ) -> None:
+        last: _Step | None,
+    ) -> _Routed | list[np.ndarray] | None:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
-        ((expert, lease) pairs) on each sequence's tokens routed to them, and (last trip)
-        the residual sums."""
+        ((expert, lease) pairs) on each sequence's tokens routed to them, and on the last
+        trip (`last` = the step) the residual sums and _head(i + 1), whose result it
+        returns."""
         m = self.model
         if first:
             self._dense_ffn_batch(i, [h for h, _, _ in routed], xs)
@@ -375,10 +425,12 @@ class Pipeline:
                 tok, slot = np.nonzero(ids == e)
                 if len(tok):
                     sl[tok, slot] = m.expert_ffn(lease.buffer, h, tok, weights[tok, slot], layer=i)
-        if last:
-            for x, sl in zip(xs, slots, strict=True):
-                for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
-                    x += sl[:, j]
+        if last is None:
+            return None
+        for x, sl in zip(xs, slots, strict=True):
+            for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
+                x += sl[:, j]
+        return self._head(i + 1, last)
 
     def _expert_stacked(
         self,

@@ -222,3 +222,34 @@ async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
         assert max(r for r, _ in seen) == 1 and max(q for _, q in seen) >= 1
     async with open_engine(DEMO, io="threads", max_running=8) as eng:  # every expert fits
         assert eng.scheduler.capacity() == 8
+
+
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_a_forward_with_every_record_resident_is_one_compute_trip_per_moe_layer(batch):
+    """The first trip embeds and routes the first MoE layer, each MoE layer's expert trip goes
+    on with the next layer's attention and routing, the last one with the logits: L + 1 trips
+    to the compute thread for L MoE layers once every record is resident, for one sequence
+    and for a batch of two; the logits are those of the solo forward passes, bit for bit."""
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    async with open_engine(DEMO, io="threads", batch=batch) as eng:
+        pipe = eng.pipeline
+        moe = sum(1 for s in eng.spec.layers if s.moe)
+        solo = [await eng.forward(eng.new_sequence(), t) for t in ids]  # loads their experts
+        trips, run = 0, pipe._run
+
+        async def counted(fn, *args):
+            nonlocal trips
+            trips += 1
+            return await run(fn, *args)
+
+        pipe._run = counted
+        s0 = eng.cache.statistics()
+        one = await pipe.forward(np.array(ids[0]), eng.new_sequence().kv)
+        assert (trips, eng.cache.statistics().misses - s0.misses) == (moe + 1, 0)
+        trips = 0
+        kvs = [eng.new_sequence().kv for _ in ids]
+        both = await pipe.forward_batch([(np.array(t), kv) for t, kv in zip(ids, kvs, strict=True)])
+        assert (trips, eng.cache.statistics().misses - s0.misses) == (moe + 1, 0)
+        np.testing.assert_array_equal(one, solo[0])
+        for got, want in zip(both, solo, strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -1,4 +1,4 @@
-"""bench/decode.py: the bounds and the per-token split, from hand-computed numbers."""
+"""colibri/bench/decode.py: the bounds and the per-token split, from hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import decode as bd
+from colibri.bench import decode as bd
 
 
 def test_bounds_storage_compute_combined_serial() -> None:

@@ -1,4 +1,4 @@
-"""bench/sec_limits.py lookups: interpolation in queue depth, nearest record size, big-record
+"""colibri.bench.sec_limits lookups: interpolation in queue depth, nearest record size, big-record
 mapping and the cached-figure path of disk_gbps / memory_gbps (no disk or timing involved)."""
 
 import math
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import sec_limits as lim
-from bench.report import Context
+from colibri.bench import sec_limits as lim
+from colibri.bench.report import Context
 from colibri.io.format import ExpertLayout, row_nbytes
 
 

@@ -1,10 +1,10 @@
-"""bench/sec_llama.py figures that need no llama.cpp, disk or timing: the weight bytes one
+"""colibri/bench/sec_llama.py figures that need no llama.cpp, disk or timing: the weight bytes one
 decoded token reads (checked against Mixtral-8x7B's published 12.9B active parameters) and the
 expert budget that fits under a memory limit."""
 
 import pytest
 
-from bench import sec_llama
+from colibri.bench import sec_llama
 
 
 def _mixtral_8x7b_params() -> tuple[dict[str, int], int]:

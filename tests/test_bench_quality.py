@@ -1,4 +1,4 @@
-"""bench/sec_quality.py's requantize(): a store re-encoded from its f32 store holds the very
+"""colibri/bench/sec_quality.py's requantize(): a store re-encoded from its f32 store holds the very
 expert bytes `colibri convert --quant X` writes from the checkpoint, and f32 dense weights."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.sec_quality import requantize
+from colibri.bench.sec_quality import requantize
 from colibri.convert import convert
 from colibri.io.format import open_store
 from tests import hf_models

@@ -1,18 +1,14 @@
-"""The `colibri bench` report writer and run order (bench/report.py, bench/suite.py): ratios in
-the headline table, interleaved A/B order, the files written, and bad arguments."""
+"""The `colibri bench` report writer and run order (colibri/bench/report.py, suite.py): ratios
+in the headline table, interleaved A/B order, the files written, and bad arguments."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.report import Context, Headline, Section, interleave, median, write_report  # noqa: E402
+from colibri.bench.report import Context, Headline, Section, interleave, median, write_report
 
 
 def test_interleave_alternates_order_and_keeps_values():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench import sec_serve
+from colibri.bench import sec_serve
 from colibri.io.trace import load_mixtral_jsonl
 
 if not sec_serve.TRACE.exists():

@@ -303,3 +303,41 @@ def test_tokenizer_files_carried_and_spm_converted(tmp_path):
 
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def test_spm_model_tokenizer_needs_no_transformers(tmp_path):
+    """spm_model_tokenizer (the .model file's protobuf read by colibri, the path taken without
+    transformers) has sentencepiece's own pieces, scores and types, and tokenizes real text
+    (C4, arXiv) exactly as the tokenizer.json transformers makes; a file that is not a model
+    is a one-line ConversionError naming it."""
+    import lzma
+
+    from colibri.convert.hf import spm_model_tokenizer, spm_to_tokenizer_json
+    from colibri.errors import ConversionError
+
+    spm_path = SHARED / "tokenizers/mixtral_mistral/tokenizer.model.v1"
+    if not spm_path.is_file():
+        pytest.skip(f"{spm_path} absent")
+    spm = pytest.importorskip("sentencepiece")
+    from tokenizers import Tokenizer
+
+    ours = spm_model_tokenizer(spm_path)
+    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    vocab = ours.get_vocab(with_added_tokens=True)
+    assert len(vocab) == sp.get_piece_size() == 32000
+    assert all(vocab[sp.id_to_piece(i)] == i for i in range(sp.get_piece_size()))
+    theirs = Tokenizer.from_str(spm_to_tokenizer_json(spm_path).decode())
+    texts = []
+    for name in ("c4", "arxiv"):
+        path = SHARED / "text" / f"olmoe_routing_{name}_texts.txt.xz"
+        if path.is_file():
+            with lzma.open(path, "rt") as f:
+                texts += [t for t in f.read(200_000).split("\n") if t.strip()][:40]
+    texts += ["Hello world, this is Mixtral.", "new\nline ünïcode 12345 🦜 x"]
+    for text in texts:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False).ids == want
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(b"\xff" * 12)
+    with pytest.raises(ConversionError, match=r"tokenizer\.model: not a SentencePiece model"):
+        spm_model_tokenizer(bad)

@@ -360,6 +360,69 @@ async def test_shared_prefix_equals_separate_runs(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+async def test_batched_items_equal_one_at_a_time(tiny):
+    """score_items batches items (their prefixes, then every choice's continuation from a
+    fork of its prefix's KV cache, in chunks): in split mode each log-probability is
+    bit-identical to scoring the item alone; in fused mode equal to 1e-5."""
+    _family, _model, _hf, store = tiny
+    rng = np.random.default_rng(1)
+    items = []
+    for n_ctx, lens in [(20, (1, 5, 3)), (7, (4, 4)), (33, (2,)), (12, (6, 1, 2, 9))]:
+        ctx = rng.integers(0, 2048, n_ctx).tolist()
+        items.append([(ctx, rng.integers(0, 2048, n).tolist()) for n in lens])
+    # winogrande-like: contexts that differ, a shared continuation
+    cont = rng.integers(0, 2048, 5).tolist()
+    base = rng.integers(0, 2048, 9).tolist()
+    items.append([([*base, 3], cont), ([*base, 4, 5], cont)])
+    for batch in ("split", "fused"):
+        async with open_engine(store, activations="f32", batch=batch) as engine:
+            engine.prefill_chunk = 8  # prefixes and continuations cut in several chunks
+            alone = [await scoring.score_requests(engine, reqs) for reqs in items]
+            batched = await scoring.score_items(engine, items, max_batch=5)
+        for a, b in zip(alone, batched, strict=True):
+            for x, y in zip(a, b, strict=True):
+                if batch == "split":
+                    assert np.array_equal(x, y)
+                else:
+                    np.testing.assert_allclose(x, y, rtol=1e-5)
+
+
+async def test_choice_reference(tiny, tmp_path):
+    """--reference on a multiple-choice task: a store against itself agrees everywhere;
+    q4_0 against f32 reports the accuracy delta and agreement its items imply."""
+    _family, _model, hf, store = tiny
+    q4 = convert(hf, tmp_path / "q4", quant="q4_0", dense_quant="f32", show_progress=False)
+    docs = _docs("sciq", 6, max_chars=550)
+    async with (
+        open_engine(store, activations="f32") as engine,
+        open_engine(store, activations="f32") as same,
+        open_engine(q4, activations="f32") as quant,
+    ):
+        self_res = await eval_choice(engine, "sciq", docs, "t", reference=same,
+                                     show_progress=False)  # fmt: skip
+        q_res = await eval_choice(quant, "sciq", docs, "t", reference=engine,
+                                  show_progress=False)  # fmt: skip
+    m = self_res["metrics"]
+    assert m["acc_delta"] == m["acc_norm_delta"] == 0.0
+    assert m["pred_agreement"] == m["pred_norm_agreement"] == 1.0
+    assert m["reference_acc"] == m["acc"]
+    for it in self_res["items"]:
+        assert it["reference_logprobs"] == it["logprobs"]
+    m, items = q_res["metrics"], q_res["items"]
+    for it, f32 in zip(items, self_res["items"], strict=True):
+        assert it["reference_logprobs"] == f32["logprobs"]
+        assert it["reference_pred"] == int(np.argmax(f32["logprobs"]))
+        assert it["logprobs"] != f32["logprobs"]
+    ours = np.array([it["pred"] == it["gold"] for it in items], float)
+    ref = np.array([it["reference_pred"] == it["gold"] for it in items], float)
+    assert m["acc_delta"] == pytest.approx(ours.mean() - ref.mean())
+    assert m["reference_acc"] == pytest.approx(ref.mean())
+    diff = ours - ref
+    assert m["acc_delta_stderr"] == pytest.approx(np.std(diff, ddof=1) / np.sqrt(len(diff)))
+    agree = np.mean([it["pred"] == it["reference_pred"] for it in items])
+    assert m["pred_agreement"] == pytest.approx(agree)
+
+
 # ---- CLI, JSON and inputs -----------------------------------------------------------------
 
 
@@ -376,6 +439,22 @@ def test_cli_json_schema(tmp_path, capsys):
         assert len(it["logprobs"]) == len(it["nchars"]) == 4
         assert it["pred"] == int(np.argmax(it["logprobs"]))
     assert "acc 0." in capsys.readouterr().out
+    assert main(["eval", "--task", "hellaswag", "--data", str(data), "--limit", "2",
+                 "--reference", str(DEMO), "--json", str(out)]) == 0  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["reference"] == str(DEMO)
+    assert {
+        "reference_acc",
+        "acc_delta",
+        "acc_delta_stderr",
+        "pred_agreement",
+        "reference_acc_norm",
+        "acc_norm_delta",
+        "pred_norm_agreement",
+    } <= set(r["metrics"])
+    assert r["metrics"]["pred_agreement"] == 1.0  # the demo against itself
+    assert {"reference_logprobs", "reference_pred", "reference_pred_norm"} <= set(r["items"][0])
+    assert "same prediction on 100.00% of items" in capsys.readouterr().out
     text = tmp_path / "t.txt"
     text.write_text(_text(20000))
     assert main(["eval", "--task", "perplexity", "--data", str(text), "--ctx", "64",

@@ -17,6 +17,7 @@ from gguf import GGUFReader  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.export_gguf import export_gguf  # noqa: E402
 from colibri.io.format import open_store  # noqa: E402
+from colibri.registry import FAMILIES, model_spec  # noqa: E402
 from tests.test_export_gguf import (  # noqa: E402
     PROMPT,
     SHARED,
@@ -30,8 +31,82 @@ from tests.test_export_gguf import (  # noqa: E402
 CASES = {
     "olmoe": dict(clip_qkv=None, num_key_value_heads=4),
     "qwen2_moe": dict(mlp_only_layers=[]),
+    "minimax_m2": {},
+    "glm4_moe": {},  # layer 0 dense, a shared expert, partial rotary, qkv biases, q/k norms
+    # MLA (llama.cpp deepseek2, attn_kv_b whole), YaRN with mscale_all_dim 0.707 / 1.0
+    "deepseek_v2": {},
+    "deepseek_v3": {},
+    "deepseek_v3_one_group_no_q_lora": dict(rope_interleave=True),  # q_proj, 2 groups
+    "kimi_k2": {},
+    "glm4_moe_lite": {},
+    "kimi_k25": {},  # multimodal: the language model (text_config) exported
+    # llama.cpp's SwiGLU limit is gpt-oss's 7; its YaRN rounds the ramp (truncate true)
+    "gpt_oss": dict(
+        swiglu_limit=7.0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e4,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
+    ),
 }
-ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2",
+        "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+        "deepseek_v3_one_group_no_q_lora": "deepseek2", "kimi_k2": "deepseek2",
+        "glm4_moe_lite": "deepseek2", "kimi_k25": "deepseek2", "gpt_oss": "gpt-oss"}  # fmt: skip
+# a tensor each arch has that the others lack
+MARK = {
+    "olmoe": "blk.0.attn_q_norm.weight",
+    "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight",
+    "minimax_m2": "blk.0.exp_probs_b.bias",
+    "glm4_moe": "blk.1.ffn_gate_shexp.weight",
+    "deepseek_v2": "blk.1.attn_q_a.weight",
+    "deepseek_v3": "blk.1.exp_probs_b.bias",
+    "deepseek_v3_one_group_no_q_lora": "blk.0.attn_q.weight",
+    "kimi_k2": "blk.1.attn_kv_b.weight",
+    "glm4_moe_lite": "blk.2.attn_kv_a_mqa.weight",
+    "kimi_k25": "blk.2.ffn_down_shexp.weight",
+    "gpt_oss": "blk.1.ffn_down_exps.bias",
+}
+
+
+def _kimi_k25(vocab_size: int):
+    """Kimi K2.5 in small (vision tower, projector, DeepSeek-V3 text model), as test_kimi
+    builds it, with `vocab_size` tokens."""
+    import torch
+    import transformers
+
+    from tests import hf_models
+    from tests.test_kimi import VISION
+
+    text = {**hf_models.COMMON, **FAMILIES["kimi_k25"].test_configs["kimi_k25"]}
+    text |= {"model_type": "deepseek_v3", "vocab_size": vocab_size}
+    cfg = transformers.AutoConfig.for_model(
+        "kimi_k25", text_config=text, vision_config=VISION, projection_hidden_size=32,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def _auto_model(case: str):
+    import transformers
+
+    if case == "kimi_k25":
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -58,9 +133,12 @@ def model_dir(request, tmp_path_factory) -> Path:
     tok.train_from_iterator(lines, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     case = request.param
-    model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
     path = tmp_path_factory.mktemp("hf") / f"tiny-{case}"
-    model.save_pretrained(path, safe_serialization=True)
+    if case == "kimi_k25":  # transformers 5's own layout (see test_kimi)
+        _kimi_k25(vocab_size=384).save_pretrained(path, save_original_format=False)
+    else:
+        model = hf_models.build(case, seed=4, vocab_size=384, rope_theta=1e4, **CASES[case])
+        model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return path
 
@@ -75,20 +153,40 @@ def test_gguf_round_trip(model_dir, tmp_path, quant, dense_quant):
     case = model_dir.name.removeprefix("tiny-")
     assert r.fields["general.architecture"].contents() == ARCH[case]
     names = {t.name for t in r.tensors}
-    want = {"olmoe": "blk.0.attn_q_norm.weight", "qwen2_moe": "blk.0.ffn_gate_inp_shexp.weight"}
-    assert {want[case], "blk.0.ffn_gate_inp.weight"} <= names
-    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
     first = open_store(store)
+    router = f"blk.{first.moe_layers[0]}.ffn_gate_inp.weight"
+    assert {MARK[case], router} <= names
+    back = open_store(convert(out, tmp_path / "b", dense_quant="keep", show_progress=False))
+    assert back.moe_layers == first.moe_layers
     assert [x.xxh3 for x in back.records] == [x.xxh3 for x in first.records]
+    assert sorted(back.dense_names()) == sorted(first.dense_names())
     for name in first.dense_names():
         a, b = first.dense(name)[0], back.dense(name)[0]
         assert np.array_equal(a, b), name
-    assert back.config["norm_topk_prob"] is False
     keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "num_experts_per_tok", "intermediate_size", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size"]  # fmt: skip
+            "shared_expert_intermediate_size", "rms_norm_eps", "vocab_size", "norm_topk_prob",
+            "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor",
+            "attention_bias", "use_qk_norm"]  # fmt: skip
+    keys += ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+             "n_group", "topk_group"]  # fmt: skip
+    read = FAMILIES[first.model_type].defaults  # the fields the family reads
     for k in keys:
-        assert back.config.get(k) == first.config.get(k), k
+        if k in first.config and k in read:
+            assert back.config.get(k) == first.config[k], k
+    # the engine's view of the model is the same: rotary dims, routing, every layer's kind
+    a, b = model_spec(first.config | {"model_type": first.model_type}), model_spec(back.config)
+    assert [(x.moe, sorted(x.names), x.biases) for x in a.layers] == [
+        (x.moe, sorted(x.names), x.biases) for x in b.layers
+    ]
+    for x, y in zip(a.layers, b.layers, strict=True):  # RoPE (YaRN included), windows, scale
+        ax, ay = x.attention, y.attention
+        assert (ax.rot_dim, ax.window, ax.head_dim, ax.v_head_dim, ax.sinks, ax.qk_norm) == (
+            ay.rot_dim, ay.window, ay.head_dim, ay.v_head_dim, ay.sinks, ay.qk_norm)  # fmt: skip
+        np.testing.assert_allclose(ay.inv_freq, ax.inv_freq, rtol=1e-6)
+        assert ay.mscale == pytest.approx(ax.mscale, rel=1e-6)
+        assert ay.scale == pytest.approx(ax.scale, rel=1e-6)
+    assert a.moe == b.moe
     # the vocabulary comes back as a tokenizer.json that tokenizes like the original
     from tokenizers import Tokenizer
 
@@ -108,9 +206,10 @@ def test_llama_cpp_logits_match_transformers(model_dir, tmp_path):
     ids, got = _llama_cpp_last_logits(path, PROMPT, tmp_path / "out")
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert ids == tok(PROMPT).input_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    auto = _auto_model(model_dir.name.removeprefix("tiny-"))
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+        ref = model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     scale = float(np.abs(ref).max())
     assert float(np.abs(got - ref).max()) <= 1e-4 * scale
     ours = _colibri_last_logits(store, ids)

@@ -37,12 +37,15 @@ from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import FAMILIES, model_spec
 
-# GGUF general.architecture -> colibri family
-GGUF_ARCHS: dict[str, Family] = {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
+# GGUF general.architecture -> the colibri families it may import as (GGUFArch.fixed decides)
+GGUF_ARCHS: dict[str, list[Family]] = {}
+for _f in FAMILIES.values():
+    if _f.gguf is not None and _f.gguf.importable:
+        GGUF_ARCHS.setdefault(_f.gguf.name, []).append(_f)
 
 # GGML type name -> store qtype: every GGML type the store holds byte for byte
 _TYPES = {q.upper(): q for q in QTYPES if q != "fp8"}
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre: each splits
 # every piece the previous ones left, matches kept as pieces of their own ("isolated")
 _DEEPSEEK_LETTERS = (  # llama-vocab.cpp's letter class, escaped (NFC would change it)
@@ -89,17 +92,33 @@ def _f32_decimal(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
-    """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
-    architecture without experts or one not handled."""
+def gguf_family(reader: Any, path: Path) -> Family:
+    """The family a GGUF imports as: by `general.architecture`, among several (deepseek2:
+    deepseek_v2, deepseek_v3) the first whose GGUFArch.fixed values the file has (a key the
+    file lacks counts as llama.cpp's default, the first family's). Raises ConversionError for
+    an architecture without experts or one not handled."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS or not _field(reader, f"{arch}.expert_count"):
-        supported = ", ".join(f"{a} ({f.model_type})" for a, f in GGUF_ARCHS.items())
+        supported = ", ".join(
+            f"{a} ({'/'.join(f.model_type for f in fams)})" for a, fams in GGUF_ARCHS.items()
+        )
         raise ConversionError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported, with experts: " + supported
         )
-    fam = GGUF_ARCHS[arch]
-    g = fam.gguf
+    fams = GGUF_ARCHS[arch]
+    for i, fam in enumerate(fams):
+        fixed = fam.gguf.fixed  # type: ignore[union-attr]
+        if all(_field(reader, f"{arch}.{k}", v if i == 0 else None) == v for k, v in fixed.items()):
+            return fam
+    got = {k: _field(reader, f"{arch}.{k}") for k in fams[0].gguf.fixed}  # type: ignore[union-attr]
+    raise ConversionError(f"{path}: {arch} with {got} matches no colibri family")
+
+
+def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    """(model_type, HF-spelled config) from the GGUF metadata. Raises ConversionError for an
+    architecture without experts or one not handled."""
+    fam = gguf_family(reader, path)
+    arch, g = fam.gguf.name, fam.gguf
     assert g is not None
 
     def get(key: str, default: Any = None) -> Any:
@@ -134,6 +153,51 @@ def gguf_config(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         cfg["intermediate_size"] = int(get("feed_forward_length", 0))
     if g.shared_ff_key is not None:
         cfg["shared_expert_intermediate_size"] = int(get(g.shared_ff_key))
+    for key, hf in g.hparams.items():
+        v = _field(reader, f"{arch}.{key}")
+        if v is not None:
+            cfg[hf] = _f32_decimal(v) if isinstance(v, float) else v
+    if g.leading_dense:
+        cfg["first_k_dense_replace"] = int(get("leading_dense_block_count", 0))
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "yarn":
+        rope: dict[str, Any] = {
+            "rope_type": "yarn",
+            "rope_theta": cfg["rope_theta"],
+            "factor": _f32_decimal(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                        ("yarn_attn_factor", "attention_factor")):  # fmt: skip
+            if (v := _field(reader, f"{arch}.rope.scaling.{key}")) is not None:
+                rope[hf] = _f32_decimal(v)
+        if g.mla and (v := _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
+            # deepseek2: 0.1 * mscale_all_dim, and mscale taken equal (export_gguf's note)
+            rope["mscale"] = rope["mscale_all_dim"] = _f32_decimal(float(v) / 0.1)
+        cfg["rope_parameters"] = rope
+    elif scaling not in (None, "none"):
+        raise ConversionError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not imported")
+    if g.mla:
+        if _field(reader, f"{arch}.attention.key_length_mla") is not None:
+            raise ConversionError(
+                f"{path}: MLA with kv_b split into attn_k_b / attn_v_b (key_length_mla) is not "
+                "imported yet; GGUFs with attn_kv_b whole (colibri export-gguf) are"
+            )
+        rope, k_len = int(get("rope.dimension_count")), int(get("attention.key_length"))
+        del cfg["head_dim"]
+        cfg |= {
+            "kv_lora_rank": int(get("attention.kv_lora_rank")),
+            "q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": k_len - rope,
+            "v_head_dim": int(get("attention.value_length")),
+        }
+    if g.partial_rotary:
+        rot = int(get("rope.dimension_count", cfg["head_dim"]))
+        if rot != cfg["head_dim"]:
+            cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+    for key, tensor in g.present.items():
+        cfg[key] = tensor in names
     cfg.update(g.implied)
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         v = _field(reader, f"tokenizer.ggml.{key}")
@@ -152,7 +216,7 @@ def hf_names(fam: Family, spec: ModelSpec) -> dict[str, str]:
     names = gguf.get_tensor_name_map(arch, len(spec.layers))
     out = {}
     for hf in dense_tensors(spec):
-        base, suffix = hf.rsplit(".", 1)
+        base, suffix = fam.gguf.split_name(hf)
         gname = names.get_name(base)
         if gname is not None:
             out[f"{gname}.{suffix}"] = hf
@@ -284,43 +348,52 @@ def convert_gguf(
         check_config(cfg, f"{src}: metadata (as config.json)")
     except ConfigError as exc:
         raise ConversionError(str(exc)) from None
-    fam = GGUF_ARCHS[_field(reader, "general.architecture")]
+    fam = gguf_family(reader, src)
     try:
         spec = model_spec(cfg)
     except StoreError as exc:
         raise ConversionError(f"{src}: {exc}") from None
     hf_of, f32 = hf_names(fam, spec), f32_tensors(spec)
-    H, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    H = cfg["hidden_size"]
     E, I = cfg[fam.num_experts_key], cfg[fam.d_ff_key]  # noqa: E741
     experts: dict[int, dict[str, Any]] = {}
     dense: list[tuple[str, Any]] = []
     for t in reader.tensors:
         tname = t.tensor_type.name
         if m := _EXPERT.match(t.name):
-            if tname not in _TYPES:
+            bias = m[3] == "bias"
+            if bias and not fam.gguf.expert_biases:
+                raise ConversionError(f"{src}: unexpected tensor {t.name}")
+            if tname not in (("F32",) if bias else _TYPES):
                 raise ConversionError(f"{src}: not supported yet: tensor {t.name} has type {tname}")
             want = [H, I, E] if m[2] != "down" else [I, H, E]  # GGML order: ne0 = columns
+            if bias:
+                want = want[1:]
             if [int(x) for x in t.shape] != want:
                 raise ConversionError(
                     f"{src}: tensor {t.name} has GGML shape {[int(x) for x in t.shape]}, "
                     f"metadata implies {want}"
                 )
-            experts.setdefault(int(m[1]), {})[m[2]] = t
+            experts.setdefault(int(m[1]), {})[f"{m[2]}_bias" if bias else m[2]] = t
         elif t.name in hf_of:
             dense.append((hf_of[t.name], t))
         else:
             raise ConversionError(f"{src}: unexpected tensor {t.name}")
-    if len(experts) != n or sorted(experts) != list(range(n)):
+    moe = [layer.index for layer in spec.layers if layer.moe]
+    if sorted(experts) != moe:
         raise ConversionError(
-            f"{src}: experts found in layers {sorted(experts)}, expected 0-{n - 1} (block_count)"
+            f"{src}: experts found in layers {sorted(experts)}, the metadata implies {moe}"
         )
     per_layer = {}
+    biases = fam.gguf.expert_biases
+    roles = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if biases else ())
     for layer, parts in experts.items():
-        for role in ("gate", "up", "down"):
+        for role in roles:
             if role not in parts:
-                raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{role}_exps.weight")
+                name = f"{role.removesuffix('_bias')}_exps.{'bias' if '_' in role else 'weight'}"
+                raise ConversionError(f"{src}: missing tensor blk.{layer}.ffn_{name}")
         qtypes = {role: _TYPES[parts[role].tensor_type.name] for role in ("gate", "up", "down")}
-        per_layer[layer] = ExpertLayout.build(qtypes["gate"], H, I, qtypes=qtypes)
+        per_layer[layer] = ExpertLayout.build(qtypes["gate"], H, I, biases, qtypes=qtypes)
     layout, overrides = plan_layouts(per_layer)
     kinds = sorted({q for lay in per_layer.values() for q in lay.weight_qtypes})
     if quant not in kinds or len(kinds) > 1:
@@ -346,12 +419,10 @@ def convert_gguf(
             w.write_dense(hf, _dense_data(t, hf, qt, shape, cfg, fam))
             if bar is not None:
                 bar.update(int(t.n_bytes))
-        for layer in range(n):
+        for layer in moe:
             p = experts[layer]
             for e in range(E):
-                w.write_expert(
-                    layer, e, {r: np.asarray(p[r].data[e]) for r in ("gate", "up", "down")}
-                )
+                w.write_expert(layer, e, {r: np.asarray(p[r].data[e]) for r in roles})
             if bar is not None:
                 bar.update(sum(int(p[r].n_bytes) for r in p))
         if bar is not None:

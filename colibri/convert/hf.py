@@ -482,18 +482,18 @@ def copy_tokenizer(src: Path, w: StoreWriter) -> None:
 
 def spm_to_tokenizer_json(path: Path, tokenizer_config: Path | None = None) -> bytes:
     """tokenizer.json text for a SentencePiece model file, made the way transformers loads a
-    tokenizer.model-only checkpoint (AutoTokenizer; needs transformers, sentencepiece and
-    protobuf). `tokenizer_config` (if given) picks the tokenizer class; default Llama's."""
+    tokenizer.model-only checkpoint (AutoTokenizer, with transformers, sentencepiece and
+    protobuf installed; `tokenizer_config` (if given) picks the tokenizer class, default
+    Llama's). Without transformers: spm_model_tokenizer's byte-fallback BPE (Llama-style
+    vocabularies: Llama 2, Mistral, Mixtral). Raises ConversionError for a file that is not a
+    SentencePiece model."""
     import shutil
     import tempfile
 
     try:
         from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ConversionError(
-            f"{path}: making tokenizer.json from a SentencePiece model needs transformers, "
-            f"sentencepiece and protobuf ({exc})"
-        ) from None
+    except ImportError:  # without transformers: the same construction from the model file
+        return spm_model_tokenizer(path).to_str().encode()
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(path, Path(tmp) / "tokenizer.model")
         if tokenizer_config is not None and tokenizer_config.is_file():
@@ -507,6 +507,86 @@ def spm_to_tokenizer_json(path: Path, tokenizer_config: Path | None = None) -> b
             return tok.backend_tokenizer.to_str().encode()
         except Exception as exc:
             raise ConversionError(f"{path}: cannot convert SentencePiece model: {exc}") from None
+
+
+def _proto_fields(buf: bytes, where: str) -> list[tuple[int, int, Any]]:
+    """The (field number, wire type, value) of one protobuf message: varints as int,
+    length-delimited fields as bytes, fixed32 / fixed64 as their raw bytes."""
+    out, i, n = [], 0, len(buf)
+
+    def varint() -> int:
+        nonlocal i
+        v = shift = 0
+        while True:
+            if i >= n or shift > 63:
+                raise ConversionError(f"{where}: not a SentencePiece model (bad varint)")
+            b = buf[i]
+            i += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return v
+
+    while i < n:
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            out.append((field, wire, varint()))
+            continue
+        size = {1: 8, 5: 4}.get(wire)
+        if size is None:
+            if wire != 2:
+                raise ConversionError(f"{where}: not a SentencePiece model (wire type {wire})")
+            size = varint()
+        if i + size > n:
+            raise ConversionError(f"{where}: not a SentencePiece model (truncated)")
+        out.append((field, wire, buf[i : i + size]))
+        i += size
+    return out
+
+
+def spm_model_tokenizer(path: Path) -> Any:
+    """A tokenizers.Tokenizer for the SentencePiece model file `path` (sentencepiece's
+    ModelProto: pieces = field 1, each piece / score / type = 1 / 2 / 3; normalizer_spec = 3
+    with add_dummy_prefix = 3), built as a byte-fallback BPE the way transformers'
+    LlamaConverter builds one (colibri.convert.gguf's SentencePiece construction, the pieces
+    standing for GGUF's tokens, scores and token types). Needs neither transformers nor
+    sentencepiece. Raises ConversionError for a file that is not such a model."""
+    import struct
+
+    from colibri.convert.gguf import _spm_tokenizer  # the convert package's own
+
+    where = str(path)
+    tokens, scores, types, prefix = [], [], [], True
+    for field, wire, value in _proto_fields(Path(path).read_bytes(), where):
+        if field == 1 and wire == 2:
+            piece, score, kind = None, 0.0, 1  # the proto's defaults: type NORMAL
+            for f, w, v in _proto_fields(value, where):
+                if f == 1 and w == 2:
+                    piece = v.decode("utf-8", "replace")
+                elif f == 2 and w == 5:
+                    score = struct.unpack("<f", v)[0]
+                elif f == 3 and w == 0:
+                    kind = v
+            if piece is None:
+                raise ConversionError(f"{where}: not a SentencePiece model (a piece lacks text)")
+            tokens.append(piece)
+            scores.append(score)
+            types.append(kind)
+        elif field == 3 and wire == 2:
+            for f, w, v in _proto_fields(value, where):
+                if f == 3 and w == 0:
+                    prefix = bool(v)
+    if not tokens:
+        raise ConversionError(f"{where}: not a SentencePiece model (no pieces)")
+    return _spm_tokenizer(
+        {
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.add_space_prefix": prefix,
+        }
+    )
 
 
 def convert_hf(

@@ -52,8 +52,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reference",
         metavar="STORE2",
-        help="perplexity: the same model in another format (e.g. the f32 store): per-token "
-        "KL(reference || this), top-1 and routing agreement",
+        help="the same model in another format (e.g. the f32 store); perplexity: per-token "
+        "KL(reference || this), top-1 and routing agreement; multiple choice: the accuracy "
+        "delta and per-item prediction agreement",
     )
     p.add_argument("--shots", type=int, default=0, help="mmlu: few-shot examples (0..5)")
     p.add_argument(
@@ -69,10 +70,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                 f"perplexity: window length in tokens (default {PPL_CTX}); multiple choice: "
                 f"context length (default {DEFAULT_N_CTX})"
             )
+        if action.dest == "batch":  # eval feeds many sequences at once: one weight pass
+            action.default = "fused"
+            action.help = (
+                "how the sequences scored together meet the kernels: fused (default here: rows "
+                "stacked, one weight pass for all) or split (per-sequence calls, the logits of "
+                "a solo run)"
+            )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts = {k: getattr(args, k) for k in run_cmd.ENGINE_OPTIONS}
+    opts = run_cmd._engine_options(args)  # --queue-depth and --mirror included
     opts["n_ctx"] = args.n_ctx or (PPL_CTX if args.task == "perplexity" else DEFAULT_N_CTX)
     return opts
 
@@ -173,52 +181,92 @@ async def eval_choice(
     shots: int = 0,
     fewshot_docs: list[dict[str, Any]] | None = None,
     fewshot_source: str = "",
+    reference: Engine | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
-    """A multiple-choice task on docs: the JSON's n, metrics, statistics and items.
-    Raises EvalError (bad fields, an item longer than the context)."""
+    """A multiple-choice task on docs: the JSON's n, metrics, statistics and items. With
+    `reference` (the same model in another format) the same requests are scored there too:
+    per item its logprobs and predictions, and the accuracy delta and prediction agreement
+    (docs/EVAL.md). Raises EvalError (bad fields, an item longer than the context)."""
     requests = build_requests(
         task, docs, source, shots=shots, fewshot_docs=fewshot_docs or [],
         fewshot_source=fewshot_source,
     )  # fmt: skip
     tok = _tokenizer(engine)
+    pairs = []
+    for i, r in enumerate(requests):
+        try:
+            pairs.append(
+                [scoring.encode_pair(tok, c, t) for c, t in zip(r.contexts, r.continuations,
+                                                                strict=True)]
+            )  # fmt: skip
+        except EvalError as exc:
+            raise EvalError(f"{source}:item {i}: {exc}") from None
     counters = scoring.Counters()
     c0 = engine.statistics(components=False)
-    items = []
-    bar = _progress(len(requests), "item") if show_progress else None
+    total = len(requests) * (2 if reference is not None else 1)
+    bar = _progress(total, "item") if show_progress else None
+    update = bar.update if bar is not None else None
     try:
-        for i, r in enumerate(requests):
-            pairs = [
-                scoring.encode_pair(tok, c, t)
-                for c, t in zip(r.contexts, r.continuations, strict=True)
-            ]
-            try:
-                lps = await scoring.score_requests(engine, pairs, counters)
-            except EvalError as exc:
-                raise EvalError(f"{source}:item {i}: {exc}") from None
-            logprobs = [float(lp.sum()) for lp in lps]
-            nchars = [len(c) for c in r.choices]
-            pred, pred_norm = scoring.choose(logprobs, nchars)
-            items.append(
-                {"gold": r.gold, "logprobs": logprobs, "nchars": nchars, "pred": pred,
-                 "pred_norm": pred_norm}
-            )  # fmt: skip
-            if bar is not None:
-                bar.update(1)
+        try:
+            lps = await scoring.score_items(engine, pairs, counters, progress=update)
+            ref_lps = None
+            if reference is not None:
+                ref_lps = await scoring.score_items(reference, pairs, None, progress=update)
+        except EvalError as exc:
+            raise EvalError(f"{source}:{exc}") from None
     finally:
         if bar is not None:
             bar.close()
-    acc = [float(it["pred"] == it["gold"]) for it in items]
-    metrics: dict[str, Any] = {"acc": float(np.mean(acc)), "acc_stderr": scoring.mean_stderr(acc)}
-    if "acc_norm" in TASKS[task].metrics:
-        norm = [float(it["pred_norm"] == it["gold"]) for it in items]
-        metrics |= {"acc_norm": float(np.mean(norm)), "acc_norm_stderr": scoring.mean_stderr(norm)}
+    items = []
+    for i, r in enumerate(requests):
+        logprobs = [float(lp.sum()) for lp in lps[i]]
+        nchars = [len(c) for c in r.choices]
+        pred, pred_norm = scoring.choose(logprobs, nchars)
+        item: dict[str, Any] = {"gold": r.gold, "logprobs": logprobs, "nchars": nchars,
+                                "pred": pred, "pred_norm": pred_norm}  # fmt: skip
+        if ref_lps is not None:
+            ref = [float(lp.sum()) for lp in ref_lps[i]]
+            rp, rpn = scoring.choose(ref, nchars)
+            item |= {"reference_logprobs": ref, "reference_pred": rp, "reference_pred_norm": rpn}
+        items.append(item)
+    has_norm = "acc_norm" in TASKS[task].metrics
+    metrics = _choice_metrics(items, has_norm)
+    if ref_lps is not None:
+        metrics |= _reference_metrics(items, has_norm)
     return {
         "n": len(items),
         "metrics": metrics,
         "statistics": _statistics(engine, c0, counters),
         "items": items,
     }
+
+
+def _choice_metrics(items: list[dict[str, Any]], has_norm: bool, prefix: str = "") -> dict:
+    out: dict[str, float] = {}
+    for metric, key in [("acc", "pred"), ("acc_norm", "pred_norm")][: 2 if has_norm else 1]:
+        hit = [float(it[prefix + key] == it["gold"]) for it in items]
+        out[prefix + metric] = float(np.mean(hit))
+        out[prefix + metric + "_stderr"] = scoring.mean_stderr(hit)
+    return out
+
+
+def _reference_metrics(items: list[dict[str, Any]], has_norm: bool) -> dict[str, float]:
+    """reference_acc(_norm) and its stderr; acc(_norm)_delta = this - reference, with the
+    paired standard error (of the per-item difference); pred(_norm)_agreement: the fraction
+    of items whose prediction equals the reference's."""
+    out: dict[str, float] = {}
+    ref = _choice_metrics(items, has_norm, prefix="reference_")
+    for metric, key in [("acc", "pred"), ("acc_norm", "pred_norm")][: 2 if has_norm else 1]:
+        ours = np.array([float(it[key] == it["gold"]) for it in items])
+        theirs = np.array([float(it["reference_" + key] == it["gold"]) for it in items])
+        out["reference_" + metric] = ref["reference_" + metric]
+        out["reference_" + metric + "_stderr"] = ref["reference_" + metric + "_stderr"]
+        out[metric + "_delta"] = float(ours.mean() - theirs.mean())
+        out[metric + "_delta_stderr"] = scoring.mean_stderr(ours - theirs)
+        agree = [float(it[key] == it["reference_" + key]) for it in items]
+        out[key + "_agreement"] = float(np.mean(agree))
+    return out
 
 
 def _fewshot_path(args: argparse.Namespace) -> Path:
@@ -255,6 +303,18 @@ def summary(task: str, result: dict[str, Any]) -> str:
         if "acc_norm" in m:
             line += f", acc_norm {m['acc_norm']:.4f} +/- {m['acc_norm_stderr']:.4f}"
         lines.append(line + f" over {result['n']} items")
+    if "acc_delta" in m:
+        line = (
+            f"reference: acc {m['reference_acc']:.4f} (delta {m['acc_delta']:+.4f} +/- "
+            f"{m['acc_delta_stderr']:.4f})"
+        )
+        if "acc_norm_delta" in m:
+            line += (
+                f", acc_norm {m['reference_acc_norm']:.4f} (delta {m['acc_norm_delta']:+.4f} "
+                f"+/- {m['acc_norm_delta_stderr']:.4f})"
+            )
+        line += f"; same prediction on {m['pred_agreement']:.2%} of items"
+        lines.append(line)
     lines.append(
         f"[{s['tokens']} tokens in {s['seconds']:.1f} s, {s['tokens_per_second']:.1f} tok/s; "
         f"hit rate {s['hit_rate']:.1%}; read {s['bytes_read'] / 2**20:.1f} MiB]"
@@ -265,8 +325,6 @@ def summary(task: str, result: dict[str, Any]) -> str:
 async def _eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise EvalError("--limit must be at least 1")
-    if args.reference and args.task != "perplexity":
-        raise EvalError("--reference applies to --task perplexity")
     path = Path(args.model) if args.model else run_cmd.DEMO_STORE
     # read the inputs before loading any weights: a bad file fails at once
     text, docs, fewshot = None, None, None
@@ -289,12 +347,12 @@ async def _eval(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(open_engine(path, **opts))
         _check_ctx(engine, args)
+        reference = None
+        if args.reference:
+            ref_opts = opts | {"trace": None}
+            reference = await stack.enter_async_context(open_engine(args.reference, **ref_opts))
+            scoring.check_same_model(engine, reference, args.reference)
         if args.task == "perplexity":
-            reference = None
-            if args.reference:
-                ref_opts = opts | {"trace": None}
-                reference = await stack.enter_async_context(open_engine(args.reference, **ref_opts))
-                scoring.check_same_model(engine, reference, args.reference)
             assert text is not None
             result = await eval_perplexity(
                 engine, text, opts["n_ctx"], reference=reference, limit=args.limit
@@ -303,7 +361,7 @@ async def _eval(args: argparse.Namespace) -> int:
             assert docs is not None
             result = await eval_choice(
                 engine, args.task, docs, str(args.data), shots=args.shots, fewshot_docs=fewshot,
-                fewshot_source=fewshot_source,
+                fewshot_source=fewshot_source, reference=reference,
             )  # fmt: skip
     out = {"task": args.task, "store": str(path), **result}
     if args.reference:

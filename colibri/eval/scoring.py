@@ -90,33 +90,174 @@ class Counters:
     seconds: float = 0.0
 
 
-async def _feed(
+# at most this many sequences in one batched forward, and this much KV cache and logits
+# held by one batch of items or windows
+MAX_BATCH = 16
+BATCH_NBYTES = 256 << 20
+
+
+async def _feed_batch(
     engine: Any,
-    seq: Any,
-    tokens: Sequence[int],
-    all_logits: bool,
+    seqs: Sequence[Any],
+    tokens: Sequence[Sequence[int]],
+    logits_from: Sequence[int | None],
     counters: Counters | None,
-    logits_from: int = 0,
-) -> np.ndarray:
-    """engine.forward in prefill chunks (engine.prefill_chunk tokens, as `colibri run`
-    prefills); all_logits: the rows of tokens[logits_from:], f32 [len(tokens) - logits_from,
-    vocab] (else the last row [vocab])."""
+) -> tuple[list[np.ndarray], list[list[tuple[int, int]]]]:
+    """Feed tokens[s] into seqs[s], every sequence in the same batched forwards
+    (Engine.forward_batch): step j takes chunk j (engine.prefill_chunk tokens, the chunks of
+    `colibri run`'s prefill) of each sequence that has one. logits_from[s] None: the last
+    row's logits f32 [vocab] (zeros when tokens[s] is empty); else the rows of
+    tokens[s][logits_from[s]:], f32 [len(tokens[s]) - logits_from[s], vocab]. Also returns
+    per step the (sequence, tokens fed) in the order the forward saw them (what a routing
+    trace of the span records)."""
     chunk = getattr(engine, "prefill_chunk", 256)
-    rows, last = [], None
+    vocab = engine.spec.vocab_size
+    rows: list[list[np.ndarray]] = [[] for _ in seqs]
+    last = [np.zeros(vocab, np.float32) for _ in seqs]
+    steps: list[list[tuple[int, int]]] = []
     t0 = time.perf_counter()
-    for start in range(0, len(tokens), chunk):
-        part = list(tokens[start : start + chunk])
-        skip = max(0, logits_from - start)
-        if all_logits and skip < len(part):
-            rows.append(await engine.forward(seq, part, all_logits=True, logits_from=skip))
-        else:
-            last = await engine.forward(seq, part)
+    n_steps = max((-(-len(t) // chunk) for t in tokens), default=0)
+    for j in range(n_steps):
+        start = j * chunk
+        idx, parts, full, first = [], [], [], []
+        for s, t in enumerate(tokens):
+            part = list(t[start : start + chunk])
+            if not part:
+                continue
+            lf = logits_from[s]
+            skip = 0 if lf is None else max(0, lf - start)
+            want = lf is not None and skip < len(part)
+            idx.append(s)
+            parts.append(part)
+            full.append(want)
+            first.append(skip if want else 0)
+        outs = await engine.forward_batch([seqs[s] for s in idx], parts, full, first)
+        for s, want, out in zip(idx, full, outs, strict=True):
+            if want:
+                rows[s].append(out)
+            else:
+                last[s] = out
+        steps.append([(s, len(p)) for s, p in zip(idx, parts, strict=True)])
     if counters is not None:
-        counters.tokens += len(tokens)
+        counters.tokens += sum(len(t) for t in tokens)
         counters.seconds += time.perf_counter() - t0
-    if all_logits:
-        return np.concatenate(rows) if rows else np.zeros((0, engine.spec.vocab_size), np.float32)
-    return last  # type: ignore[return-value]
+    result = []
+    for s, lf in enumerate(logits_from):
+        if lf is None:
+            result.append(last[s])
+        else:
+            result.append(np.concatenate(rows[s]) if rows[s] else np.zeros((0, vocab), np.float32))
+    return result, steps
+
+
+def _shared_prefix(requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """The longest common token prefix of the requests' sequences, at most the shortest
+    context."""
+    seqs = [list(c) + list(t) for c, t in requests]
+    shared = min(len(c) for c, _ in requests)
+    first = seqs[0]
+    for s in seqs[1:]:
+        n = 0
+        while n < shared and s[n] == first[n]:
+            n += 1
+        shared = n
+    return shared
+
+
+def _check_requests(engine: Any, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """The KV length the item needs; raises EvalError (empty request, too long)."""
+    for c, t in requests:
+        if not c or not t:
+            raise EvalError("a request needs a non-empty context and continuation")
+    need = max(len(c) + len(t) for c, t in requests) - 1
+    if need > engine.n_ctx:
+        raise EvalError(
+            f"request of {need + 1} tokens exceeds the context length {engine.n_ctx} (--ctx)"
+        )
+    return need
+
+
+async def score_items(
+    engine: Any,
+    items: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]],
+    counters: Counters | None = None,
+    *,
+    max_batch: int = MAX_BATCH,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[np.ndarray]]:
+    """score_requests of every item, items batched: a group of items (at most max_batch
+    sequences, BATCH_NBYTES of KV cache) prefills its shared prefixes in one batched forward
+    per chunk; each request then continues from a fork of its item's prefix KV cache, all the
+    group's continuations in one batched forward per chunk. In the default split batch mode
+    every log-probability is bit-identical to scoring the item alone. progress(n) after each
+    group of n items. Raises EvalError naming the item (an empty request, one longer than
+    the context)."""
+    from colibri.model import KVCache
+
+    dtype = np.float16 if getattr(engine.options, "kv_dtype", "f32") == "f16" else np.float32
+    needs = []
+    for i, reqs in enumerate(items):
+        if not reqs:
+            raise EvalError(f"item {i}: no requests")
+        try:
+            needs.append(_check_requests(engine, reqs))
+        except EvalError as exc:
+            raise EvalError(f"item {i}: {exc}") from None
+    out: list[list[np.ndarray]] = []
+    i = 0
+    while i < len(items):
+        group, n_seqs, nbytes = [], 0, 0
+        while i < len(items):
+            n = len(items[i])
+            kv = (n + 1) * KVCache.nbytes_for(engine.spec, max(1, needs[i]), dtype)
+            if group and (n_seqs + n > max_batch or nbytes + kv > BATCH_NBYTES):
+                break
+            group.append(i)
+            n_seqs, nbytes, i = n_seqs + n, nbytes + kv, i + 1
+        out += await _score_group(engine, [items[g] for g in group],
+                                  [needs[g] for g in group], counters)  # fmt: skip
+        if progress is not None:
+            progress(len(group))
+    return out
+
+
+async def _score_group(
+    engine: Any,
+    items: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]],
+    needs: Sequence[int],
+    counters: Counters | None,
+) -> list[list[np.ndarray]]:
+    bases = [engine.new_sequence(n_ctx=max(1, n)) for n in needs]
+    forks: list[Any] = []
+    try:
+        shared = [_shared_prefix(reqs) for reqs in items]
+        seqs = [[list(c) + list(t) for c, t in reqs] for reqs in items]
+        lasts, _ = await _feed_batch(
+            engine, bases, [s[0][:n] for s, n in zip(seqs, shared, strict=True)],
+            [None] * len(items), counters,
+        )  # fmt: skip
+        owner, tails = [], []
+        for k, (reqs, ss, n) in enumerate(zip(items, seqs, shared, strict=True)):
+            for j, s in enumerate(ss):
+                # the last request of an item continues in the item's own sequence
+                forks.append(bases[k] if j == len(reqs) - 1 else bases[k].fork())
+                owner.append((k, j))
+                tails.append(s[n:-1])
+        rows, _ = await _feed_batch(engine, forks, tails, [0] * len(forks), counters)
+        out: list[list[np.ndarray]] = [[] for _ in items]
+        for (k, j), r in zip(owner, rows, strict=True):
+            ctx = items[k][j][0]
+            s, n = seqs[k][j], shared[k]
+            offset = 0
+            if n:
+                r, offset = np.concatenate([lasts[k][None], r]), n - 1
+            pos = np.arange(len(ctx) - 1, len(s) - 1)  # logits at pos predict s[pos + 1]
+            lp = log_softmax(r[pos - offset])
+            out[k].append(lp[np.arange(len(pos)), np.asarray(s)[pos + 1]])
+        return out
+    finally:
+        for seq in bases + forks:
+            seq.kv = None  # free the KV caches now
 
 
 async def score_requests(
@@ -128,44 +269,14 @@ async def score_requests(
 
     requests: (context ids, continuation ids) pairs, both non-empty. The sequences share their
     longest common token prefix (at most the shortest context), fed once; each request then
-    continues from that prefix's KV cache. Returns one float64 [len(continuation)] array per
-    request: log p(continuation[j] | context + continuation[:j]). Raises EvalError when a
+    continues from a fork of that prefix's KV cache, every request in the same batched
+    forward. Returns one float64 [len(continuation)] array per request:
+    log p(continuation[j] | context + continuation[:j]). Raises EvalError when a
     request is empty or does not fit in the engine's context (engine.n_ctx)."""
     if not requests:
         return []
-    seqs = [list(c) + list(t) for c, t in requests]
-    for c, t in requests:
-        if not c or not t:
-            raise EvalError("a request needs a non-empty context and continuation")
-    need = max(len(s) for s in seqs) - 1
-    if need > engine.n_ctx:
-        raise EvalError(
-            f"request of {need + 1} tokens exceeds the context length {engine.n_ctx} (--ctx)"
-        )
-    shared = min(len(c) for c, _ in requests)
-    first = seqs[0]
-    for s in seqs[1:]:
-        n = 0
-        while n < shared and s[n] == first[n]:
-            n += 1
-        shared = n
-    seq = engine.new_sequence(n_ctx=max(1, need))
-    try:
-        last = await _feed(engine, seq, first[:shared], False, counters) if shared else None
-        snap = seq.snapshot()  # the shared context, restored before each choice
-        out = []
-        for (ctx, _), s in zip(requests, seqs, strict=True):
-            seq.restore(snap)
-            rows = await _feed(engine, seq, s[shared:-1], True, counters)
-            offset = 0
-            if last is not None:
-                rows, offset = np.concatenate([last[None], rows]), shared - 1
-            pos = np.arange(len(ctx) - 1, len(s) - 1)  # logits at pos predict s[pos + 1]
-            lp = log_softmax(rows[pos - offset])
-            out.append(lp[np.arange(len(pos)), np.asarray(s)[pos + 1]])
-        return out
-    finally:
-        seq.kv = None  # free the KV cache now
+    need = _check_requests(engine, requests)
+    return (await _score_group(engine, [requests], [need], counters))[0]
 
 
 async def continuation_logprobs(
@@ -231,16 +342,42 @@ def text_tokens(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
     return ([bos] if bos is not None else []) + ids, bos
 
 
-async def _window(engine: Any, w: list[int], first: int, counters: Counters | None):
-    """Logits f32 [n_ctx - 1 - first, vocab] of positions first .. n_ctx-2, and the routing
-    (int32 [n_ctx - 1, layers, top_k]) of the tokens fed."""
-    seq = engine.new_sequence(n_ctx=len(w))
+async def _windows(
+    engine: Any, ws: list[list[int]], first: int, counters: Counters | None, routing: bool
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Per window: logits f32 [n_ctx - 1 - first, vocab] of positions first .. n_ctx-2 and,
+    with `routing`, the routing (int32 [n_ctx - 1, layers, top_k]) of the tokens fed; the
+    windows fed side by side in batched forwards."""
+    seqs = [engine.new_sequence(n_ctx=len(w)) for w in ws]
+    feed = [w[:-1] for w in ws]
     try:
+        if not routing:
+            rows, _ = await _feed_batch(engine, seqs, feed, [first] * len(ws), counters)
+            return rows, None
         with engine.capture_routing() as tracer:  # one pass, logits of the scored half only
-            rows = await _feed(engine, seq, w[:-1], True, counters, logits_from=first)
-        return rows, tracer.trace().experts
+            rows, steps = await _feed_batch(engine, seqs, feed, [first] * len(ws), counters)
+        experts = tracer.trace().experts
     finally:
-        seq.kv = None
+        for seq in seqs:
+            seq.kv = None
+    # the trace holds each step's tokens sequence after sequence: cut it back per window
+    parts: list[list[np.ndarray]] = [[] for _ in ws]
+    t = 0
+    for step in steps:
+        for s, n in step:
+            parts[s].append(experts[t : t + n])
+            t += n
+    return rows, [np.concatenate(p) for p in parts]
+
+
+def _window_group(engine: Any, n_ctx: int, first: int) -> int:
+    """How many windows one batch holds: MAX_BATCH, fewer when their logits and KV caches
+    would pass BATCH_NBYTES."""
+    from colibri.model import KVCache
+
+    per = (n_ctx - 1 - first) * engine.spec.vocab_size * 4
+    per += KVCache.nbytes_for(engine.spec, n_ctx, np.float32)
+    return max(1, min(MAX_BATCH, BATCH_NBYTES // max(1, per)))
 
 
 async def perplexity(
@@ -255,7 +392,8 @@ async def perplexity(
 ) -> PerplexityResult:
     """Score `tokens` as llama-perplexity does (module docstring), with `reference` (another
     engine on the same model) per-token KL(reference || engine), top-1 agreement and routing
-    agreement on the same windows. progress(1) is called after each window.
+    agreement on the same windows, fed in batches of windows (Engine.forward_batch).
+    progress(n) is called after each batch of n windows.
     Raises EvalError when not one window of n_ctx tokens fits in the text, or n_ctx < 4."""
     if n_ctx < 4:
         raise EvalError(f"--ctx {n_ctx}: a perplexity window needs at least 4 tokens")
@@ -271,27 +409,36 @@ async def perplexity(
     same = np.zeros(len(moe))
     overlap = np.zeros(len(moe))
     routed = 0
-    for w in ws:
-        rows, routes = await _window(engine, w, first, counters)
-        targets = np.asarray(w[first + 1 :])
-        lp = log_softmax(rows)
-        idx = np.arange(len(targets))
-        nll.append(-lp[idx, targets])
+    group = _window_group(engine, n_ctx, first)
+    for g in range(0, len(ws), group):
+        batch = ws[g : g + group]
+        routing = reference is not None and bool(moe)
+        got = await _windows(engine, batch, first, counters, routing)
+        ref = None
         if reference is not None:
-            ref_rows, ref_routes = await _window(reference, w, first, None)
-            ref_lp = log_softmax(ref_rows)
-            kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=1))
-            top1.append(ref_rows.argmax(axis=1) == rows.argmax(axis=1))
-            ref_nll.append(-ref_lp[idx, targets])
-            if moe:
-                a = np.sort(routes[:, moe], axis=-1)
-                b = np.sort(ref_routes[:, moe], axis=-1)
-                same += (a == b).all(axis=-1).sum(axis=0)
-                k = a.shape[-1]
-                overlap += (a[..., :, None] == b[..., None, :]).any(-1).sum(-1).sum(0) / k
-                routed += a.shape[0]
+            ref = await _windows(reference, batch, first, None, routing)
+        for b, w in enumerate(batch):
+            rows = got[0][b]
+            targets = np.asarray(w[first + 1 :])
+            lp = log_softmax(rows)
+            idx = np.arange(len(targets))
+            nll.append(-lp[idx, targets])
+            if ref is not None:
+                ref_rows = ref[0][b]
+                ref_lp = log_softmax(ref_rows)
+                kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=1))
+                top1.append(ref_rows.argmax(axis=1) == rows.argmax(axis=1))
+                ref_nll.append(-ref_lp[idx, targets])
+                if routing:
+                    assert got[1] is not None and ref[1] is not None
+                    a = np.sort(got[1][b][:, moe], axis=-1)
+                    r = np.sort(ref[1][b][:, moe], axis=-1)
+                    same += (a == r).all(axis=-1).sum(axis=0)
+                    k = a.shape[-1]
+                    overlap += (a[..., :, None] == r[..., None, :]).any(-1).sum(-1).sum(0) / k
+                    routed += a.shape[0]
         if progress is not None:
-            progress(1)
+            progress(len(batch))
     res = PerplexityResult(np.concatenate(nll), counters, moe_layers=moe)
     if reference is not None:
         res.kl, res.top1 = np.concatenate(kl), np.concatenate(top1)

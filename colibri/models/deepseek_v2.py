@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.family import Family
+from colibri.models.family import Family, GGUFArch
 from colibri.models.spec import (
     AttentionSpec,
     LayerSpec,
@@ -92,6 +92,16 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return base_spec(config, layers, moe, "deepseek_v2")
 
 
+# llama.cpp deepseek2's GGUF keys (after "deepseek2.") -> config fields, as convert_hf_to_gguf
+# writes them; leading_dense_block_count is the store's dense-layer count (GGUFArch.leading_dense)
+DEEPSEEK2_HPARAMS = {
+    "expert_shared_count": "n_shared_experts",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+}
+
 # MLA expands keys per head: num_key_value_heads == heads
 TINY_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
 TINY_MLA |= dict(v_head_dim=12, intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1)
@@ -129,6 +139,16 @@ FAMILY = Family(
     aliases={"num_experts": "n_routed_experts"},
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
+    gguf=GGUFArch(  # llama.cpp's deepseek2 with its softmax router (greedy: its groups differ)
+        arch="DEEPSEEK2",
+        name="deepseek2",
+        architectures="DeepseekV2ForCausalLM",
+        mla=True,
+        leading_dense=True,
+        hparams={k: v for k, v in DEEPSEEK2_HPARAMS.items() if k != "expert_weights_norm"},
+        fixed={"expert_gating_func": 1},  # softmax, weights never renormalised
+        implied={"topk_method": "greedy", "attention_bias": False},
+    ),
     test_configs={
         # several routing group settings, MLA with and without q_lora_rank, YaRN with
         # mscale_all_dim

@@ -9,8 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.deepseek_v2 import TINY_MLA, TINY_YARN, layers_of, mla_biases
-from colibri.models.family import Family
+from colibri.models.deepseek_v2 import (
+    DEEPSEEK2_HPARAMS,
+    TINY_MLA,
+    TINY_YARN,
+    layers_of,
+    mla_biases,
+)
+from colibri.models.family import Family, GGUFArch
 from colibri.models.spec import (
     ModelSpec,
     MoESpec,
@@ -79,6 +85,16 @@ FAMILY = Family(
     aliases={"num_local_experts": "n_routed_experts"},
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
+    gguf=GGUFArch(  # llama.cpp's deepseek2: MLA, normal (interleaved) RoPE, sigmoid router
+        arch="DEEPSEEK2",
+        name="deepseek2",
+        architectures="DeepseekV3ForCausalLM",
+        mla=True,
+        leading_dense=True,
+        hparams=DEEPSEEK2_HPARAMS,
+        fixed={"expert_gating_func": 2},  # sigmoid
+        implied={"rope_interleave": True, "attention_bias": False},
+    ),
     test_configs={
         "deepseek_v3": TINY_MLA
         | dict(

@@ -57,6 +57,28 @@ class GGUFArch:
     requires_mha: the arch has no grouped-query attention (num_key_value_heads must equal
     num_attention_heads to export). shared_ff_key: the GGUF key of the shared expert's d_ff
     (config `shared_expert_intermediate_size`), for archs with one.
+    hparams: GGUF key (after "<arch>.") -> config field, written from the resolved config
+    and read back into it (int as uint32, float as float32, bool as bool; a field the config
+    leaves None is not written); "leading_dense_block_count" among them says the arch runs
+    its first that many layers dense (first_k_dense_replace) and every later one MoE.
+    fixed: GGUF keys of one value for the family (expert_gating_func 2 = sigmoid); on import
+    the first family of an architecture whose fixed values the file has is chosen.
+    leading_dense: the arch runs its first `leading_dense_block_count` layers as dense MLPs
+    and every later one as MoE (config first_k_dense_replace on import).
+    mla: multi-head latent attention as llama.cpp's deepseek2 runs it without absorption
+    (attn_kv_b kept whole, keys and values expanded per head: key_length = qk_nope + qk_rope,
+    value_length = v_head_dim, head_count_kv = head_count; convert_hf_to_gguf's split into
+    attn_k_b / attn_v_b would change the stored bytes).
+    importable: GGUF import may pick this family (False for aliases of another, e.g. Kimi K2
+    of DeepSeek-V3).
+    expert_biases: the arch has `blk.N.ffn_{gate,up,down}_exps.bias` (gpt-oss; f32 [E, rows]).
+    swa_pattern: the arch runs sliding-window attention (`attention.sliding_window`) on the
+    layers i with i % swa_pattern < swa_pattern - 1 and full attention on the others
+    (llama.cpp's set_swa_pattern; 0: no sliding window).
+    partial_rotary: the arch's `rope.dimension_count` is the rotated dims of each head (the
+    spec's rot_dim), imported as `partial_rotary_factor`. present: config field -> a layer-0
+    GGUF tensor name whose presence sets it true on import (biases, q/k norms the arch may or
+    may not have).
     """
 
     arch: str
@@ -69,6 +91,29 @@ class GGUFArch:
     requires_mha: bool = False
     # the GGUF key of the shared expert's d_ff (qwen2moe), read from shared_expert_...
     shared_ff_key: str | None = None
+    hparams: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, int] = field(default_factory=dict)
+    partial_rotary: bool = False
+    present: dict[str, str] = field(default_factory=dict)
+    leading_dense: bool = False
+    mla: bool = False
+    importable: bool = True
+    expert_biases: bool = False
+    swa_pattern: int = 0
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str]:
+        """(base, suffix) of an HF tensor name as gguf's TensorNameMap looks it up:
+        "...mlp.gate.e_score_correction_bias" -> ("...mlp.gate.e_score_correction", "bias")
+        (llama.cpp's converter renames it so: GGUF `blk.N.exp_probs_b.bias`), "...sinks" ->
+        ("...sinks", "weight") (GGUF `blk.N.attn_sinks.weight`), else the name
+        split at its last dot ("...q_proj.weight" -> ("...q_proj", "weight"))."""
+        if name.endswith(".e_score_correction_bias"):
+            return name[: -len("_bias")], "bias"
+        if name.endswith(".sinks"):  # gpt-oss's self_attn.sinks: GGUF attn_sinks.weight
+            return name, "weight"
+        base, _, suffix = name.rpartition(".")
+        return base, suffix
 
 
 @dataclass(frozen=True)

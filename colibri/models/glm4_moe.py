@@ -10,7 +10,7 @@ from typing import Any
 
 from colibri.models.deepseek_v2 import layers_of
 from colibri.models.deepseek_v3 import sigmoid_router
-from colibri.models.family import Family
+from colibri.models.family import Family, GGUFArch
 from colibri.models.spec import (
     ModelSpec,
     MoESpec,
@@ -66,6 +66,22 @@ FAMILY = Family(
     aliases={"num_local_experts": "n_routed_experts"},
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
+    gguf=GGUFArch(  # llama.cpp's glm4moe: NeoX partial RoPE, leading dense layers, shared expert
+        arch="GLM4_MOE",
+        name="glm4moe",
+        architectures="Glm4MoeForCausalLM",
+        leading_dense=True,
+        hparams={
+            "expert_shared_count": "n_shared_experts",
+            "expert_weights_scale": "routed_scaling_factor",
+            "expert_weights_norm": "norm_topk_prob",
+            "expert_group_count": "n_group",
+            "expert_group_used_count": "topk_group",
+        },
+        fixed={"expert_gating_func": 2},  # sigmoid
+        partial_rotary=True,
+        present={"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"},
+    ),
     test_configs={
         "glm4_moe": dict(
             head_dim=32,

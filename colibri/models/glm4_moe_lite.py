@@ -9,8 +9,10 @@ not used (the converter drops them)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from colibri.models import deepseek_v3
 from colibri.models.deepseek_v2 import TINY_MLA, TINY_YARN, mla_biases
 from colibri.models.deepseek_v3 import sigmoid_router
 from colibri.models.family import Family
@@ -103,6 +105,8 @@ FAMILY = Family(
     aliases={"num_local_experts": "n_routed_experts", "head_dim": "qk_rope_head_dim"},
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
+    # exported as llama.cpp's deepseek2 (as convert_hf_to_gguf does); a GGUF imports as deepseek_v3
+    gguf=dataclasses.replace(deepseek_v3.FAMILY.gguf, importable=False),
     test_configs={
         "glm4_moe_lite": TINY_MLA
         | dict(

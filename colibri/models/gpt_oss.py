@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.family import ExpertNames, Family
+from colibri.models.family import ExpertNames, Family, GGUFArch
 from colibri.models.spec import (
     LayerSpec,
     ModelSpec,
@@ -89,6 +89,15 @@ FAMILY = Family(
     num_experts_key="num_local_experts",
     d_ff_key="intermediate_size",
     experts=ExpertNames(per_expert=None, fused_layout="interleaved_t"),
+    gguf=GGUFArch(  # llama.cpp's gpt-oss: sinks, biases everywhere, SWA on even layers
+        arch="GPT_OSS",
+        name="gpt-oss",
+        architectures="GptOssForCausalLM",
+        hparams={"attention.sliding_window": "sliding_window"},
+        implied={"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True},
+        expert_biases=True,
+        swa_pattern=2,
+    ),
     test_configs={
         "gpt_oss": dict(
             head_dim=16,

@@ -41,5 +41,7 @@ FAMILY = Family(
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
     text_model_type="deepseek_v3",  # the transformers config class whose defaults apply
+    # exported as DeepSeek-V3 (llama.cpp deepseek2); a GGUF imports as deepseek_v3
+    gguf=dataclasses.replace(deepseek_v3.FAMILY.gguf, importable=False),
     test_configs={"kimi_k2": TINY_KIMI},
 )

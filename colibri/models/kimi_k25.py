@@ -36,5 +36,7 @@ FAMILY = Family(
         ("model.language_model.", "model."),
         ("lm_head.", "lm_head."),
     ),
+    # the language model exported as DeepSeek-V3 (llama.cpp deepseek2; the vision tower is not)
+    gguf=dataclasses.replace(deepseek_v3.FAMILY.gguf, importable=False),
     test_configs={"kimi_k25": TINY_KIMI | dict(n_group=4, topk_group=2, q_lora_rank=None)},
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
-from colibri.models.family import ExpertNames, Family
+from colibri.models.family import ExpertNames, Family, GGUFArch
 from colibri.models.spec import (
     LayerSpec,
     ModelSpec,
@@ -80,6 +80,13 @@ FAMILY = Family(
     renames=(
         (r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
         (r"\.mlp\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
+    ),
+    gguf=GGUFArch(  # llama.cpp's minimax-m2: NeoX partial RoPE, full-projection q/k norm
+        arch="MINIMAXM2",
+        name="minimax-m2",
+        architectures="MiniMaxM2ForCausalLM",
+        fixed={"expert_gating_func": 2},  # sigmoid; the weights always renormalised
+        partial_rotary=True,
     ),
     test_configs={
         "minimax_m2": dict(

@@ -1,6 +1,7 @@
 """Random expert-record reads: colibri's readers next to fio, in the same run.
 
-    nice .venv/bin/python bench/io.py [--record-nbytes 1M] [--file-nbytes 4G] [--queue-depth 32]
+    nice .venv/bin/python -m colibri.bench.io [--record-nbytes 1M] [--file-nbytes 4G] \
+        [--queue-depth 32]
 
 Writes a file of random bytes (bigger than the reads' working set; removed afterwards unless
 --keep), then reads `--read-nbytes` worth of uniformly random records with:
@@ -21,14 +22,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from colibri.io.format import ExpertRecord
 from colibri.io.reader import open_reader

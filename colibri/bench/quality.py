@@ -1,7 +1,7 @@
 """Quality per store type: mean KL(float || quantized) per token and top-1 agreement of the
 next-token distribution, colibri's logits on the same tokens (teacher-forced).
 
-    nice .venv/bin/python bench/quality.py [--tokens 256] [--out table.md]
+    nice .venv/bin/python -m colibri.bench.quality [--tokens 256] [--out table.md]
 
 Two models, each converted once per expert type (`--quant T`, dense tensors f32 so a row
 shows the expert type alone; a last row per model adds q8_0 dense to q4_k experts):
@@ -26,14 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from colibri.convert import convert
 from colibri.engine import open_engine
 from colibri.errors import ConversionError

@@ -15,7 +15,7 @@ engines multiply identical bytes. Two scenarios, same thread count for both engi
    model files' cached pages are dropped before each run. Bound: disk bandwidth / the bytes
    colibri reads per token.
 
-Both colibri runs are child processes (`python -m bench.sec_llama --child ...`), so their
+Both colibri runs are child processes (`python -m colibri.bench.sec_llama --child ...`), so their
 memory is measured and limited the way llama.cpp's is.
 """
 
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp, sec_limits
-from bench.report import ROOT, Context, Headline, Section, fmt, interleave, median, table
+from colibri.bench import llama_cpp, sec_limits
+from colibri.bench.report import ROOT, Context, Headline, Section, fmt, interleave, median, table
 
 TITLE = "llama.cpp on the same weights"
 MODEL = "mixtral-8x7b"
@@ -141,8 +141,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_main(argv: list[str]) -> int:
-    """`python -m bench.sec_llama --child STORE ...`: one colibri measurement, JSON on stdout."""
-    ap = argparse.ArgumentParser(prog="bench.sec_llama --child")
+    """`python -m colibri.bench.sec_llama --child STORE ...`: one colibri measurement, JSON on
+    stdout."""
+    ap = argparse.ArgumentParser(prog="colibri.bench.sec_llama --child")
     ap.add_argument("store")
     ap.add_argument("--budget", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
@@ -162,7 +163,7 @@ def run_colibri(ctx: Context, args: list[str], limit: int | None = None) -> dict
     """Run the colibri child (optionally inside a fresh memory cgroup of `limit` bytes).
     Returns its JSON, plus "returncode", "cgroup_peak_bytes", "oom_kills", "wall_s"; a failed
     run has "error" (stderr tail) instead of timings."""
-    cmd = [sys.executable, "-m", "bench.sec_llama", "--child", *args]
+    cmd = [sys.executable, "-m", "colibri.bench.sec_llama", "--child", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if limit:
         ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + shlex.join(cmd))
@@ -625,4 +626,6 @@ def _plots(ctx: Context, panels: list[dict[str, Any]], big: dict[str, Any]) -> l
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         raise SystemExit(child_main(sys.argv[2:]))
-    raise SystemExit("usage: python -m bench.sec_llama --child STORE ... (or: colibri bench)")
+    raise SystemExit(
+        "usage: python -m colibri.bench.sec_llama --child STORE ... (or: colibri bench)"
+    )

@@ -7,7 +7,7 @@ raw numbers as JSON.
     python -m colibri bench                      # the full suite
     python -m colibri bench --sections limits,replay --out results/today
 
-Sections (bench/sec_<name>.py, run in this order; later ones use the limits measured first):
+Sections (colibri/bench/sec_<name>.py, run in this order; later ones use the limits measured first):
 limits (disk with fio, memory bandwidth), kernels (matvec GB/s as a fraction of memory
 bandwidth), decode (colibri decode/prefill, stores that fit the budget and 2-3x bigger, cold and
 warm, next to the storage and compute bounds), replay (the real Mixtral-8x7B routing trace per
@@ -30,18 +30,18 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 # key -> module; the order is the run order
 SECTIONS: dict[str, str] = {
-    "limits": "bench.sec_limits",
-    "kernels": "bench.sec_kernels",
-    "decode": "bench.sec_decode",
-    "replay": "bench.sec_replay",
-    "llama": "bench.sec_llama",
-    "mirror": "bench.sec_mirror",
-    "quality": "bench.sec_quality",
-    "serve": "bench.sec_serve",
+    "limits": "colibri.bench.sec_limits",
+    "kernels": "colibri.bench.sec_kernels",
+    "decode": "colibri.bench.sec_decode",
+    "replay": "colibri.bench.sec_replay",
+    "llama": "colibri.bench.sec_llama",
+    "mirror": "colibri.bench.sec_mirror",
+    "quality": "colibri.bench.sec_quality",
+    "serve": "colibri.bench.sec_serve",
 }
 
 
@@ -79,7 +79,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except ImportError:
         print("colibri bench: matplotlib is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 2
-    from bench.report import Context, Section, machine_info, write_report
+    from colibri.bench.report import Context, Section, machine_info, write_report
 
     keys = [k.strip() for k in args.sections.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SECTIONS]

@@ -7,7 +7,7 @@ storage-bound.
 Store: tools/synth_store.py qwen3-30b-a3b with --layers N (real shapes, random blocks) under
 ctx.work. Each run opens a fresh engine (empty expert cache, O_DIRECT reads, so nothing comes
 from the page cache) and makes two passes over the same prompt and greedy tokens: pass 1 is
-cold, pass 2 warm (pass 1 was its warm-up). Bounds and their formulas: bench/decode.py.
+cold, pass 2 warm (pass 1 was its warm-up). Bounds and their formulas: colibri/bench/decode.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import decode as bench_decode
-from bench import sec_limits
-from bench.report import Context, Headline, Section, fmt, interleave, median, table
+from colibri.bench import decode as bench_decode
+from colibri.bench import sec_limits
+from colibri.bench.report import Context, Headline, Section, fmt, interleave, median, table
 from colibri.io.format import open_store
 
 TITLE = "colibri decode and prefill vs the storage and compute bounds"

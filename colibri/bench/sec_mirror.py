@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import Context, Headline, Section, interleave, median, table
+from colibri.bench.report import Context, Headline, Section, interleave, median, table
 from colibri.io.mirror import MirrorReader
 from colibri.io.reader import open_reader
 from colibri.io.replay import SyntheticStore

@@ -5,8 +5,8 @@ store's very bytes) and return tok/s and peak memory, optionally under a memory 
 The binaries come from tools/build_llama_cpp.sh (cached under ~/.cache/colibri), or from
 $COLIBRI_LLAMA_CPP_BIN. Nothing here runs in CI.
 
-    python bench/llama_cpp.py MODEL.gguf --threads 2                 # llama-bench pp + tg
-    python bench/llama_cpp.py MODEL.gguf --completion 64 --memory-limit 2G
+    python -m colibri.bench.llama_cpp MODEL.gguf --threads 2                 # llama-bench pp + tg
+    python -m colibri.bench.llama_cpp MODEL.gguf --completion 64 --memory-limit 2G
 
 Memory limits use a cgroup made for the benchmark's own child process: a child of this
 process's cgroup (v2 `memory.max` if the memory controller is enabled there, else v1
@@ -26,13 +26,12 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/ is there
 
 
 def llama_bin_dir() -> Path:
@@ -265,5 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

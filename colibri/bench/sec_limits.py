@@ -3,7 +3,7 @@
 Disk: fio (io_uring, O_DIRECT, fixed buffers, batched submission: bench/io.py `run_fio`) reading
 uniformly random expert-record-sized blocks of a file under ctx.work, queue depth 1..64; and
 colibri's UringReader (bench/io.py `run_reader`) at the same record size and QD 1/8/32, the two
-interleaved round by round. Memory: a streaming SIMD read in C (bench/kernels.py
+interleaved round by round. Memory: a streaming SIMD read in C (colibri/bench/kernels.py
 `read_bandwidth`, the read bound `memory_gbps` returns) and beside it numpy copies
 (`copy_bandwidth`, read + write bytes counted), at 1 thread and at ctx.threads.
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import io as bench_io
-from bench import kernels as bench_kernels
-from bench.report import Context, Headline, Section, fmt, interleave, median, table
+from colibri.bench import io as bench_io
+from colibri.bench import kernels as bench_kernels
+from colibri.bench.report import Context, Headline, Section, fmt, interleave, median, table
 from colibri.io.format import ExpertLayout
 
 TITLE = "Disk and memory limits"
@@ -78,7 +78,7 @@ def ensure_file(ctx: Context) -> tuple[Path | None, str]:
 
 def fio_gbps(ctx: Context, path: Path, rec: int, qd: int, total: int, seed: int) -> float:
     """GB/s (1e9 B/s) of fio random reads of `rec` bytes at queue depth `qd`, `total` bytes; the
-    exact fio command goes to the report (bench/io.py run_fio runs it)."""
+    exact fio command goes to the report (colibri/bench/io.py run_fio runs it)."""
     return bench_io.run_fio(str(path), rec, qd, total, path.stat().st_size, seed, run=ctx.run)
 
 
@@ -176,7 +176,7 @@ def disk_gbps(ctx: Context, record_nbytes: int, qd: int) -> float:
 
 
 def _measure_memory(ctx: Context) -> dict[str, Any]:
-    """Interleaved 1-thread / ctx.threads streaming SIMD reads (bench/kernels.py
+    """Interleaved 1-thread / ctx.threads streaming SIMD reads (colibri/bench/kernels.py
     `read_bandwidth`, the bound) and numpy copies beside them; medians of at least 3 rounds."""
     threads = sorted({1, ctx.threads})
     copy, read = bench_kernels.copy_bandwidth, bench_kernels.read_bandwidth

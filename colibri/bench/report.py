@@ -1,7 +1,7 @@
 """The `colibri bench` report: what every section gets (Context), what it gives back (Section),
 the machine record, interleaved A/B runs, and the Markdown + JSON + PNG writer.
 
-A section is a module `bench/sec_<name>.py` with
+A section is a module `colibri/bench/sec_<name>.py` with
 
     TITLE = "Disk and memory limits"
     def run(ctx: Context) -> Section
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/ is there
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import ROOT, Context, Headline, Section, fmt, table
+from colibri.bench.report import ROOT, Context, Headline, Section, fmt, table
 
 TITLE = "Quality per expert format (perplexity, KL, routing agreement)"
 FORMATS = ("q8_0", "q4_0", "q4_1", "f16", "bf16")
@@ -182,7 +182,7 @@ async def _measure(
 
 def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) -> float | None:
     """llama-perplexity's final PPL on the store exported to GGUF, or None if not built."""
-    from bench import llama_cpp
+    from colibri.bench import llama_cpp
 
     try:
         exe = llama_cpp.llama_bin_dir() / "llama-perplexity"
@@ -227,7 +227,7 @@ def run(ctx: Context) -> Section:
     try:
         models["mixtral-shaped"] = mixtral_model(work / "mixtral")
     except ImportError as exc:  # transformers / torch: test extras
-        ctx.log(f"quality: no Mixtral-shaped model ({exc})")
+        ctx.log(f"quality: no Mixtral-shaped model ({exc}; it needs pip install -e '.[test]')")
     rows, data = [], {"ctx": CTX, "windows": windows, "models": {}}
     heads = []
     for name, ref in models.items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decode and prefill benchmark: tok/s, TTFT and where the time goes, next to the storage and
 compute bounds measured in the same run. One implementation, used by `colibri bench` (section
-"decode", bench/sec_decode.py) and by this script.
+"decode", colibri/bench/sec_decode.py) and by this script.
 
 (a) a store that fits in the expert budget (warm: every expert resident after a warm-up);
 (b) a Qwen3-30B-A3B-shaped store (synthetic, ~17 GB in q4_0) with a budget well below its
@@ -17,8 +17,8 @@ Bounds (DESIGN.md §8), per token:
            figure t_io + t_c is given beside it.
 A bound in tok/s is 1 / t.
 
-    python bench/decode.py                     # makes the synthetic stores under /tmp/stores
-    python bench/decode.py --big PATH --budget 4G --tokens 32
+    python -m colibri.bench.decode             # makes the synthetic stores under /tmp/stores
+    python -m colibri.bench.decode --big PATH --budget 4G --tokens 32
 """
 
 from __future__ import annotations
@@ -38,16 +38,13 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from colibri.engine import open_engine
+from colibri.io.format import open_store
+from colibri.machine import bounds, rate, storage_seconds  # noqa: F401 (bounds live there)
+from colibri.registry import model_spec
+from colibri.run import parse_size, size_arg
 
-from colibri.engine import open_engine  # noqa: E402
-from colibri.io.format import open_store  # noqa: E402
-from colibri.machine import bounds, rate, storage_seconds  # noqa: E402, F401 (bounds live there)
-from colibri.registry import model_spec  # noqa: E402
-from colibri.run import parse_size, size_arg  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/ is there
 STORES = Path("/tmp/stores")
 
 
@@ -94,7 +91,7 @@ def drop_page_cache() -> bool:
 
 def fio_gbps(path: Path, record: int, qd: int, total: int) -> float:
     """fio: random O_DIRECT reads of `record` bytes at queue depth qd, io_uring (GB/s)."""
-    from bench import io as bench_io
+    from colibri.bench import io as bench_io
 
     return bench_io.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
 
@@ -279,7 +276,7 @@ def main() -> int:
     small = ensure_store(args.small, "qwen3-30b-a3b", layers=4)
     s = open_store(small)
     k = model_spec(s.config).moe.router.top_k
-    from bench.kernels import copy_bandwidth, read_bandwidth
+    from colibri.bench.kernels import copy_bandwidth, read_bandwidth
 
     mem, cp = read_bandwidth(1 << 30, 0, 3), copy_bandwidth(1 << 30, 1, 3)
     print(f"memory read bandwidth {mem:.1f} GB/s (streaming SIMD read, all threads); "

@@ -2,7 +2,7 @@
 larger than the L3 cache, at 1 thread and all threads, against the memory bandwidth measured in the
 same run; plus small-call latencies (the engine makes ~300 kernel calls a token).
 
-    .venv/bin/python bench/kernels.py [--mib 128] [--isa avx2] [--repeat 5]
+    .venv/bin/python -m colibri.bench.kernels [--mib 128] [--isa avx2] [--repeat 5]
 
 Weight GB/s = weight bytes / time (each weight byte is read once per call). Memory bandwidth
 = a streaming SIMD read in C of 1 GiB (ops.mem_read), the read bound a matvec can reach, at 1
@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from colibri.compute import ops, ref
 
 

@@ -3,7 +3,7 @@ memory bandwidth from the limits section, and the latency of one small expert FF
 
 Weights bigger than the L3 cache (quick 64 MiB, full 128 MiB per format, 4096 columns) are read
 once per call, so matvec GB/s of weights / memory GB/s says how close a kernel runs to memory
-speed. The functions come from bench/kernels.py (make_weights, best_time_cpu, latency_us).
+speed. The functions come from colibri/bench/kernels.py (make_weights, best_time_cpu, latency_us).
 
 The quantized formats (Q4_0, Q8_0 and issue 15's Q4_K, Q5_K, Q6_K, Q5_1, MXFP4, FP8) run both
 paths: f32 activations (exact) and Q8_0 activations with integer dot products
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import kernels as bench_kernels
-from bench import sec_limits
-from bench.report import Context, Headline, Section, fmt, interleave, median, table
+from colibri.bench import kernels as bench_kernels
+from colibri.bench import sec_limits
+from colibri.bench.report import Context, Headline, Section, fmt, interleave, median, table
 from colibri.compute import ops
 
 TITLE = "Kernels vs memory bandwidth"
@@ -49,7 +49,7 @@ def _matmul_runner(
     w: np.ndarray, qt: ops.QType, n: int, act: str, t: int, rng: np.random.Generator
 ) -> Callable[[], tuple[float, float]]:
     """A callable timing one (format, activation type, n, threads) point: (wall, CPU) seconds
-    of the best of REPEAT calls after a warm-up (bench/kernels.py best_time_cpu)."""
+    of the best of REPEAT calls after a warm-up (colibri/bench/kernels.py best_time_cpu)."""
     rows = w.shape[0]
     x = rng.standard_normal((n, COLS)).astype(np.float32)
     y = np.empty((n, rows), np.float32)
@@ -118,7 +118,7 @@ def _plot(ctx: Context, rows: list[dict[str, Any]], threads: list[int]) -> str:
 
 def run(ctx: Context) -> Section:
     """Measure matvec / batch-8 matmul per format and threads, interleaved, against the memory
-    bandwidth (bench.sec_limits.memory_gbps), and the expert-FFN call latency."""
+    bandwidth (colibri.bench.sec_limits.memory_gbps), and the expert-FFN call latency."""
     threads = sorted({1, ctx.threads})
     rounds = max(sec_limits.MIN_ROUNDS, ctx.rounds)  # this shared machine is noisy
     mem_limits = {ctx.threads: sec_limits.memory_gbps(ctx)}

@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench import decode as bench_decode
-from bench import llama_cpp
-from bench.report import ROOT, Context, Headline, Section, table
+from colibri.bench import decode as bench_decode
+from colibri.bench import llama_cpp
+from colibri.bench.report import ROOT, Context, Headline, Section, table
 from colibri.io.replay import simulate
 from colibri.io.trace import load_mixtral_jsonl
 

@@ -7,7 +7,7 @@
   over a synthetic experts file (Mixtral-8x7B q4_0 records: 3 x 4096 x 14336 weights, 99 MB;
   scaled 1/16 in quick mode) for policy x budget x prefetch (none, oracle, repeat), after a
   warm-up, with no compute between layers (compute_ms = 0: the IO-only ceiling). Tokens/s and
-  GB/s next to the disk's limit (bench.sec_limits.disk_gbps); the no-prefetch hit rate is
+  GB/s next to the disk's limit (colibri.bench.sec_limits.disk_gbps); the no-prefetch hit rate is
   checked against the offline simulation of the same window (they must be equal).
 - Prefetcher recall/precision on colibri's own runs: the engine with prefetch on (the next
   layer's router on this layer's hidden state) on the embedded demo model and on a synthetic
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import ROOT, Context, Headline, Section, interleave, median, table
+from colibri.bench.report import ROOT, Context, Headline, Section, interleave, median, table
 from colibri.io.format import ExpertLayout
 from colibri.io.replay import SyntheticStore, offline_report, replay, simulate
 from colibri.io.trace import RoutingTrace, load_mixtral_jsonl
@@ -69,7 +69,7 @@ def synthetic_store(ctx: Context, rec: int, trace: RoutingTrace) -> tuple[Synthe
 
 def _disk_limit(ctx: Context, rec: int) -> tuple[float | None, str]:
     try:
-        from bench.sec_limits import disk_gbps
+        from colibri.bench.sec_limits import disk_gbps
 
         return disk_gbps(ctx, rec, QD), ""
     except Exception as exc:  # the section still reports hit rates and GB/s
