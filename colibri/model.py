@@ -33,6 +33,12 @@ def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
     return np.concatenate([x, np.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
 
 
+# Weight types whose Q8_0-activation kernels (ops.matmul_q8, ops.expert_ffn with act_q8)
+# compute every row the same bits whatever the number of rows in the call
+# (tests/test_batch_invariance.py, tests/test_serve_stacking.py): calls on them may stack the
+# rows of several sequences without changing any sequence's result. FP8's matvec differs.
+ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES - {QType.FP8}
+
 # MLA kv_b_proj storage types read as stored (ops.mla_absorb_q / mla_values); others are
 # dequantized to f32 at load (f32 itself: the f32 arrays are the stored values, same output).
 MLA_KV_B_QTYPES = frozenset((QType.Q4_0, QType.Q4_1, QType.Q8_0))
@@ -56,16 +62,25 @@ class Linear:
     ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
         self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES and cols % 32 == 0  # fp8: any cols
+        # rows need no padding to be batch-invariant
+        self._q8_invariant = self.act_q8 and qtype in ROW_INVARIANT_QTYPES
 
     @property
     def nbytes(self) -> int:
         return self.w.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
+    @property
+    def row_invariant(self) -> bool:
+        """True when each row's output is the same bits whatever rows share the call: the
+        Q8_0-activation kernels of ROW_INVARIANT_QTYPES, or any kernel when calls are
+        padded to a multiple of 4 rows (pad 4)."""
+        return (self.act_q8 and self.qtype in ROW_INVARIANT_QTYPES) or self.pad % 4 == 0
+
     def __call__(
         self, x: np.ndarray, out: np.ndarray | None = None, nthreads: int = 0
     ) -> np.ndarray:
         """x f32 [n, cols] -> f32 [n, rows] (written into out when given)."""
-        if self.pad > 1 and x.shape[0] % self.pad:
+        if self.pad > 1 and x.shape[0] % self.pad and not self._q8_invariant:
             y = self(pad_rows(x, self.pad), nthreads=nthreads)[: x.shape[0]]
             if out is None:
                 return y
@@ -99,6 +114,7 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
     bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
     fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8)
+    fused.pad = p0.pad
     r = 0
     for p in parts:
         p.w, p.bias = w[r : r + p.rows], None if bias is None else bias[r : r + p.rows]
@@ -473,21 +489,64 @@ class Model:
             out = self._attention_gqa(i, h, kv, pos0)
         x += w["o"](out.reshape(n, -1), nthreads=self.nthreads)
 
-    def _attention_gqa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
-        """Grouped-query attention of layer i on its normed input h f32 [n, d_model]; writes
-        the keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, v_head_dim]."""
-        spec, w = self.spec.layers[i], self.layers[i]
-        a, n = spec.attention, h.shape[0]
+    def attention_batch(
+        self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
+    ) -> None:
+        """attention(i, xs[s], kvs[s], pos0[s]) for every sequence s, with the same bits: when
+        layer i is grouped-query attention whose q/k/v/o kernels are row-invariant
+        (Linear.row_invariant), the sequences' rows are stacked for the projections (one
+        weight pass for the batch) and only the attention proper runs per sequence."""
+        w, a = self.layers[i], self.spec.layers[i].attention
+        lins = [w["qkv"]] if "qkv" in w else [w.get("q"), w.get("k"), w.get("v")]
+        plain = self.spec.layers[i].linear_attn is None and a.indexer is None and a.mla is None
+        if len(xs) < 2 or not plain or not all(x.row_invariant for x in [*lins, w["o"]]):
+            for x, kv, p in zip(xs, kvs, pos0, strict=True):
+                self.attention(i, x, kv, p)
+            return
+        x = np.concatenate(xs)
+        h = np.empty_like(x)
+        ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+        q, k, v = self._gqa_project(i, h)
+        outs, r = [], 0
+        for xi, kv, p in zip(xs, kvs, pos0, strict=True):
+            n = xi.shape[0]
+            outs.append(self._gqa_core(i, q[r : r + n], k[r : r + n], v[r : r + n], kv, p))
+            r += n
+        y = w["o"](np.concatenate(outs).reshape(x.shape[0], -1), nthreads=self.nthreads)
+        r = 0
+        for xi in xs:
+            xi += y[r : r + xi.shape[0]]
+            r += xi.shape[0]
+
+    def _gqa_project(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v (f32 [n, rows], C-contiguous) of layer i's GQA on its normed input h."""
+        w, n = self.layers[i], h.shape[0]
         if "qkv" in w:  # one quantization of h and one kernel call for q, k and v
             qkv = w["qkv"](h, nthreads=self.nthreads)
             nq, nk = w["q"].rows, w["k"].rows
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
             if n > 1:  # column slices of a batch are strided; the kernels want rows
                 q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
-        else:
-            q = w["q"](h, nthreads=self.nthreads)
-            k = w["k"](h, nthreads=self.nthreads)
-            v = w["v"](h, nthreads=self.nthreads)
+            return q, k, v
+        return (
+            w["q"](h, nthreads=self.nthreads),
+            w["k"](h, nthreads=self.nthreads),
+            w["v"](h, nthreads=self.nthreads),
+        )
+
+    def _attention_gqa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """Grouped-query attention of layer i on its normed input h f32 [n, d_model]; writes
+        the keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, v_head_dim]."""
+        return self._gqa_core(i, *self._gqa_project(i, h), kv, pos0)
+
+    def _gqa_core(
+        self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVCache, pos0: int
+    ) -> np.ndarray:
+        """GQA of layer i after the projections: q f32 [n, q rows], k, v f32 [n, kv rows]
+        (C-contiguous; q/k are normed and rotated in place). Returns f32
+        [n, n_heads, v_head_dim]."""
+        spec, w = self.spec.layers[i], self.layers[i]
+        a, n = spec.attention, q.shape[0]
         gate = None
         if a.output_gate:  # per head [query | output gate] (AttentionSpec.output_gate)
             qg = q.reshape(n, a.n_heads, 2 * a.head_dim)
@@ -814,12 +873,31 @@ class Model:
         logits = w["router"](h, nthreads=self.nthreads)
         return moe.route(self.spec.moe.router, logits, w.get("correction_bias"))
 
+    def dense_ffn_row_invariant(self, i: int) -> bool:
+        """True when dense_ffn(i, ...) computes each row the same bits whatever rows share
+        the call (so the rows of several sequences may be stacked); see Linear.row_invariant."""
+        w = self.layers[i]
+        lins = [lin for kind in ("mlp", "shared") if kind in w for lin in w[kind]]
+        if "shared_expert_gate" in w:
+            lins.append(w["shared_expert_gate"])
+        return all(lin.row_invariant for lin in lins)
+
+    def expert_row_invariant(self, layer: int | None) -> bool:
+        """True when expert_ffn(..., layer=layer) computes each row the same bits whatever
+        rows share the call: Q8_0 activations on ROW_INVARIANT_QTYPES, or pad 4."""
+        _, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        return (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)) or self.pad % 4 == 0
+
     def dense_ffn(self, i: int, h: np.ndarray, out: np.ndarray) -> None:
         """out += the dense part of layer i's FFN: a dense MLP, or the shared expert
         (times sigmoid(shared_expert_gate(h)) when the family has that gate)."""
         w = self.layers[i]
         n = h.shape[0]
-        h = pad_rows(h, self.pad)
+        q8_invariant = all(
+            lin._q8_invariant for kind in ("mlp", "shared") if kind in w for lin in w[kind]
+        )
+        if not q8_invariant:  # padding keeps the other kernels batch-invariant
+            h = pad_rows(h, self.pad)
         for kind in ("mlp", "shared"):
             if kind not in w:
                 continue
@@ -866,7 +944,7 @@ class Model:
             x = x * np.asarray(weights, dtype=np.float32)[:, None]
             weights = np.ones(len(rows), dtype=np.float32)
         m_rows = len(rows)
-        if m_rows % self.pad:
+        if m_rows % self.pad and not (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)):
             x = pad_rows(np.ascontiguousarray(x), self.pad)
             weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
         y = np.empty((x.shape[0], self.spec.d_model), dtype=np.float32)

@@ -231,7 +231,8 @@ class Pipeline:
                 )
                 return _Routed(i, routed, predicted)
             self._dense_layers(i, step.xs, step.kvs, step.pos0)
-        return self._logits(step.xs, step.want, step.first, step.stacked is not None)
+        fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
+        return self._logits(step.xs, step.want, step.first, fused)
 
     def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
         return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
@@ -256,8 +257,30 @@ class Pipeline:
     def _dense_layers(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
     ) -> None:
-        for x, kv, p in zip(xs, kvs, pos0, strict=True):
-            self._dense_layer(i, x, kv, p)
+        m = self.model
+        if len(xs) == 1:
+            return self._dense_layer(i, xs[0], kvs[0], pos0[0])
+        m.attention_batch(i, xs, kvs, pos0)
+        self._dense_ffn_batch(i, [m.post_norm(i, x) for x in xs], xs)
+
+    def _dense_ffn_batch(self, i: int, hs: list[np.ndarray], xs: list[np.ndarray]) -> None:
+        """xs[s] += dense_ffn(hs[s]) (dense MLP or shared expert of layer i) for every
+        sequence s: one call over the stacked rows when its kernels are row-invariant (the
+        same bits as one call per sequence), else one call per sequence."""
+        m = self.model
+        if len(xs) > 1 and m.dense_ffn_row_invariant(i):
+            h = np.concatenate(hs)
+            out = np.zeros_like(h)
+            m.dense_ffn(i, h, out)
+            r = 0
+            for x in xs:
+                x += out[r : r + len(x)]
+                r += len(x)
+            return
+        for x, h in zip(xs, hs, strict=True):
+            out = np.zeros_like(x)
+            m.dense_ffn(i, h, out)
+            x += out
 
     def _dense_layer(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
         m = self.model
@@ -283,9 +306,8 @@ class Pipeline:
         nxt = None
         if self.prefetcher is not None and self.prefetcher.enabled:
             nxt = next((j for j in self._moe_layers if j > i), None)
+        m.attention_batch(i, xs, kvs, pos0)  # projections stacked where row-invariant
         if stacked is not None:
-            for x, kv, p in zip(xs, kvs, pos0, strict=True):
-                m.attention(i, x, kv, p)
             h = m.post_norm(i, stacked)
             predicted = None
             if nxt is not None:
@@ -293,8 +315,7 @@ class Pipeline:
                 predicted = (nxt, np.unique(guess).tolist())
             return [(h, *m.route(i, h))], predicted
         routed, guesses = [], []
-        for x, kv, p in zip(xs, kvs, pos0, strict=True):
-            m.attention(i, x, kv, p)
+        for x in xs:
             h = m.post_norm(i, x)
             routed.append((h, *m.route(i, h)))
             if nxt is not None:
@@ -392,21 +413,44 @@ class Pipeline:
         ((expert, lease) pairs) on each sequence's tokens routed to them, and on the last
         trip (`last` = the step) the residual sums and _head(i + 1), whose result it
         returns."""
+        m = self.model
         if first:
-            for x, (h, _, _) in zip(xs, routed, strict=True):
-                out = np.zeros_like(x)
-                self.model.dense_ffn(i, h, out)
-                x += out
+            self._dense_ffn_batch(i, [h for h, _, _ in routed], xs)
+        stack = len(routed) > 1 and m.expert_row_invariant(i)
         for e, lease in batch:
+            if stack:  # one pass over the expert's weights for every sequence's rows
+                self._expert_stacked(i, e, lease.buffer, routed, slots)
+                continue
             for (h, ids, weights), sl in zip(routed, slots, strict=True):
                 tok, slot = np.nonzero(ids == e)
                 if len(tok):
-                    sl[tok, slot] = self.model.expert_ffn(
-                        lease.buffer, h, tok, weights[tok, slot], layer=i
-                    )
+                    sl[tok, slot] = m.expert_ffn(lease.buffer, h, tok, weights[tok, slot], layer=i)
         if last is None:
             return None
         for x, sl in zip(xs, slots, strict=True):
             for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
                 x += sl[:, j]
         return self._head(i + 1, last)
+
+    def _expert_stacked(
+        self,
+        i: int,
+        e: int,
+        record: np.ndarray,
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        slots: list[np.ndarray],
+    ) -> None:
+        """Expert e of layer i in one call over the rows of every sequence routed to it
+        (row-invariant kernels: each row the same bits as in that sequence's own call)."""
+        picks = [np.nonzero(ids == e) for _, ids, _ in routed]
+        if not any(len(tok) for tok, _ in picks):
+            return
+        h = np.concatenate([h[tok] for (h, _, _), (tok, _) in zip(routed, picks, strict=True)])
+        w = np.concatenate(
+            [wt[tok, sl] for (_, _, wt), (tok, sl) in zip(routed, picks, strict=True)]
+        )
+        y = self.model.expert_ffn(record, h, np.arange(len(h)), w, layer=i)
+        r = 0
+        for out, (tok, slot) in zip(slots, picks, strict=True):
+            out[tok, slot] = y[r : r + len(tok)]
+            r += len(tok)

@@ -1,22 +1,37 @@
-"""Section "serve": `colibri serve` under 1, 2, 4 and 8 concurrent clients (issue 16, item 8).
+"""Section "serve": `colibri serve` under 1, 2, 4 and 8 concurrent clients (issue 16, item 8),
+next to llama-server --parallel 8 on the same GGUF.
 
-A `colibri serve` child process per scenario; each client is a thread streaming
-/v1/completions (SSE) requests of a fixed length (ignore_eos), distinct prompts. Per
-concurrency: aggregate generated tok/s (all tokens / wall time), p50 and p99 inter-token
-latency (gaps between a stream's consecutive tokens), mean TTFT, and expert bytes read per
-generated token (from /metrics). The 1-client row is the "one after another" baseline the
-issue's targets divide by. Scenarios:
-  in RAM: the embedded demo model, every expert cached.
-  out of core: a synthetic OLMoE-1B-7B-shaped store (tools/synth_store.py, real layer shapes,
-  fewer layers, random blocks), expert budget 1/4 of its experts, O_DIRECT reads.
+A server child process per scenario; each client is a thread streaming /v1/completions (SSE)
+requests of a fixed length (ignore_eos, greedy), distinct token prompts. Per concurrency:
+aggregate generated tok/s (tokens the clients received / wall time), p50 and p99 inter-token
+latency (gaps between a stream's consecutive tokens), mean TTFT, and (colibri) expert bytes
+read per generated token (from /metrics). The 1-client row is the "one after another" baseline
+the issue's targets divide by. A load test stops sending new requests after TIME_CAP seconds
+(a thrashing peer): its row is marked capped and counts the tokens received until then.
+Scenarios:
+  in RAM (demo): the embedded demo model, every expert cached, --batch split and fused.
+  in RAM (OLMoE shape): a synthetic OLMoE-1B-7B-shaped store (tools/synth_store.py, real layer
+  shapes, fewer layers, random blocks), every expert cached; llama-server on its GGUF
+  (colibri export-gguf: the very same blocks).
+  out of core (OLMoE shape): the same store with an expert budget of 1/4 of its experts,
+  O_DIRECT reads, inside a memory cgroup (bench.llama_cpp.memory_cgroup) of LIMIT_MARGIN more
+  than its dense weights, expert budget and KV caches; llama-server --no-repack (its default
+  Q4_0 repack copies the weights into anonymous memory and is OOM-killed) in a cgroup of the
+  same limit, its GGUF's cached pages dropped first.
+Real routing, offline: random weights route almost at random, so the synthetic store cannot
+show what concurrent requests share. The real Mixtral-8x7B per-token trace (shared/data/routing)
+is replayed through colibri.io.replay.simulate (the LRU cache model the replay section checks
+against the real cache) as N concurrent decode streams (windows of the trace's two HumanEval
+answers), each step requesting the union of the streams' experts per layer, against the same
+streams one after another: expert reads per generated token at budgets of 1/4, 1/2 and 3/4 of the
+experts. When decode waits on reads, aggregate tok/s scales with the inverse of that figure.
 And the prefix cache: TTFT of a 1,000-token prompt, then of another sharing its first 1,000
 tokens (target: the second under 20% of the first).
-llama-server --parallel N on the same GGUF is not run yet (tools/build_llama_cpp.sh lists
-it; the report says so when its binary is absent).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -34,11 +49,28 @@ from typing import Any
 from colibri.bench import decode as bench_decode
 from colibri.bench import llama_cpp
 from colibri.bench.report import ROOT, Context, Headline, Section, table
+from colibri.io.replay import simulate
+from colibri.io.trace import load_mixtral_jsonl
 
 TITLE = "colibri serve: concurrent clients, continuous batching, prefix cache"
 DEMO = ROOT / "colibri" / "data" / "demo"
 OOC_MODEL = "olmoe-1b-7b"
 CONCURRENCY = (1, 2, 4, 8)
+PARALLEL = 8  # sequences / slots both servers decode together
+CTX = 512  # context per sequence (llama-server: -c PARALLEL * CTX)
+TIME_CAP = 240.0  # seconds a load test may send requests for
+LIMIT_MARGIN = 448 << 20  # interpreter, FastAPI, buffers: colibri's RSS beyond weights and KV
+TRACE = (
+    ROOT.parent
+    / "shared"
+    / "data"
+    / "routing"
+    / "mixtral_8x7b_pertoken"
+    / "humaneval_2_routing.jsonl"
+)
+# trace windows (first token) of the streams: the two answers alternate (boundary at 83)
+WINDOWS = (0, 83, 40, 123, 163, 203, 243, 283)
+WINDOW_LEN = 40
 
 
 def _free_port() -> int:
@@ -47,21 +79,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """A `colibri serve` child on a free port; stopped with SIGTERM (drains) on exit."""
+class HttpServer:
+    """A server child on a free port speaking the OpenAI completions API, optionally inside a
+    memory cgroup of `limit` bytes; stopped with SIGTERM (colibri drains) on close()."""
 
-    def __init__(self, ctx: Context, store: Path, *extra: str) -> None:
-        self.port = _free_port()
+    name = "server"
+
+    def __init__(self, ctx: Context, cmd: list[str], limit: int | None = None) -> None:
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "colibri", "serve", str(store), "--port", str(self.port),
-               "--parallel", "8", "--max-queue", "64", "--threads", str(ctx.threads),
-               *extra]  # fmt: skip
-        ctx.record(cmd)
-        self.log = ctx.out / f"serve-{self.port}.log"  # a pipe nobody reads could fill up
+        self._stack = contextlib.ExitStack()
+        preexec = None
+        if limit:
+            cg = self._stack.enter_context(llama_cpp.memory_cgroup(limit))
+            self.cgroup = cg
+            preexec = llama_cpp._join(cg["procs"])
+            ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + " ".join(cmd))
+        else:
+            self.cgroup = None
+            ctx.record(cmd)
+        self.log = ctx.out / f"{self.name}-{self.port}.log"  # a pipe nobody reads could fill up
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-            )
+                cmd, cwd=ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec,
+            )  # fmt: skip
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -70,19 +111,25 @@ class Server:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     err = self.log.read_text()[-2000:]
-                    raise RuntimeError(f"colibri serve did not start: {err}") from None
+                    self.close()
+                    raise RuntimeError(f"{self.name} did not start: {err}") from None
                 time.sleep(0.2)
         models = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())
-        self.model = models["data"][0]["id"]
+        self.model = (models.get("data") or [{"id": "model"}])[0]["id"]
 
-    def metric(self, name: str) -> float:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+    def metric(self, name: str) -> float | None:
+        """A Prometheus counter of /metrics (None when the server has none)."""
+        try:
+            text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        except OSError:
+            return None
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
-        return 0.0
+        return None
 
-    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    def stream(self, prompt: list[int], max_tokens: int,
+               timeout: float = 600) -> tuple[float, list[float]]:  # fmt: skip
         """(seconds to the first token, arrival times of every token) of one request."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -92,7 +139,7 @@ class Server:
         )  # fmt: skip
         t0 = time.perf_counter()
         times = []
-        with urllib.request.urlopen(req, timeout=600) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if line.startswith("data: {"):
@@ -102,12 +149,47 @@ class Server:
         return (times[0] - t0 if times else float("nan")), times
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stack.close()  # the cgroup: its peak and OOM kills are read here
+
+    @property
+    def port(self) -> int:
+        if not hasattr(self, "_port"):
+            self._port = _free_port()
+        return self._port
+
+
+class Server(HttpServer):
+    """`colibri serve STORE --parallel 8` (engine options in `extra`)."""
+
+    name = "colibri"
+
+    def __init__(self, ctx: Context, store: Path, *extra: str, limit: int | None = None) -> None:
+        cmd = [sys.executable, "-m", "colibri", "serve", str(store), "--port", str(self.port),
+               "--parallel", str(PARALLEL), "--max-queue", "64", "--threads", str(ctx.threads),
+               *extra]  # fmt: skip
+        super().__init__(ctx, cmd, limit)
+
+
+class LlamaServer(HttpServer):
+    """llama-server --parallel 8 on `gguf` (continuous batching, its default) with `threads`
+    threads (llama_threads)."""
+
+    name = "llama-server"
+
+    def __init__(self, ctx: Context, gguf: Path, *extra: str, threads: int,
+                 limit: int | None = None) -> None:  # fmt: skip
+        llama_cpp.drop_file_cache(gguf)
+        cmd = [str(llama_cpp.llama_bin_dir() / "llama-server"), "-m", str(gguf),
+               "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+               "-np", str(PARALLEL), "-c", str(PARALLEL * CTX), "--no-webui", *extra]  # fmt: skip
+        super().__init__(ctx, cmd, limit)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -117,59 +199,126 @@ def _percentile(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
-def load_test(srv: Server, clients: int, requests: int, prompt_len: int, tokens: int,
-              vocab: int) -> dict[str, Any]:  # fmt: skip
-    """`clients` threads, each sending `requests` streaming requests in turn."""
-    b0, g0 = (
-        srv.metric("colibri_expert_bytes_read_total"),
-        srv.metric("colibri_generation_tokens_total"),
-    )
+def load_test(srv: HttpServer, clients: int, requests: int, prompt_len: int, tokens: int,
+              vocab: int, cap: float = TIME_CAP) -> dict[str, Any]:  # fmt: skip
+    """`clients` threads, each sending `requests` streaming requests in turn (no new request
+    after `cap` seconds; a request still running then may take another `cap`)."""
+    b0 = srv.metric("colibri_expert_bytes_read_total")
     gaps: list[float] = []
     ttfts: list[float] = []
+    received = [0]
+    capped = [False]
     lock = threading.Lock()
+    t0 = time.perf_counter()
 
     def client(c: int) -> None:
         for r in range(requests):
+            if time.perf_counter() - t0 > cap:
+                capped[0] = True
+                return
             seed = 1 + c * 1000 + r * 7
             prompt = [(seed * 31 + i * 17) % (vocab - 10) + 5 for i in range(prompt_len)]
-            ttft, times = srv.stream(prompt, tokens)
+            try:
+                ttft, times = srv.stream(prompt, tokens, timeout=cap)
+            except OSError:  # timed out: a thrashing peer
+                capped[0] = True
+                return
             with lock:
                 ttfts.append(ttft)
+                received[0] += len(times)
                 gaps.extend(b - a for a, b in itertools.pairwise(times))
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     wall = time.perf_counter() - t0
-    generated = srv.metric("colibri_generation_tokens_total") - g0
-    read = srv.metric("colibri_expert_bytes_read_total") - b0
+    generated = received[0]
+    b1 = srv.metric("colibri_expert_bytes_read_total")
+    read = None if b0 is None or b1 is None else b1 - b0
     return {
         "clients": clients,
         "tok_s": generated / wall,
         "itl_p50_ms": 1000 * _percentile(gaps, 0.5) if gaps else None,
         "itl_p99_ms": 1000 * _percentile(gaps, 0.99) if gaps else None,
-        "ttft_mean_ms": 1000 * sum(ttfts) / len(ttfts),
-        "bytes_read_per_token": read / max(1.0, generated),
+        "ttft_mean_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
+        "bytes_read_per_token": None if read is None else read / max(1, generated),
         "generated": generated,
         "seconds": wall,
+        "capped": capped[0],
     }
 
 
-def _scenario(ctx: Context, name: str, store: Path, extra: list[str], plan: dict[str, Any],
+def _scenario(ctx: Context, name: str, start: Any, plan: dict[str, Any],
               vocab: int) -> list[dict[str, Any]]:  # fmt: skip
-    srv = Server(ctx, store, *extra)
+    """Load tests at every CONCURRENCY on the server `start()` returns."""
+    srv = start()
     rows = []
     try:
         srv.stream([5, 6, 7, 8], 4)  # warm-up: first kernel calls, page faults
         for n in CONCURRENCY:
             r = load_test(srv, n, plan["requests"], plan["prompt"], plan["tokens"], vocab)
             r["scenario"] = name
-            ctx.log(f"serve {name}: {n} clients: {r['tok_s']:.1f} tok/s, ITL p50 "
-                    f"{r['itl_p50_ms']:.1f} ms p99 {r['itl_p99_ms']:.1f} ms, "
-                    f"{r['bytes_read_per_token'] / 2**20:.2f} MiB read/token")  # fmt: skip
+            ctx.log(f"serve {name}: {n} clients: {r['tok_s']:.2f} tok/s, ITL p50 "
+                    f"{fmt_ms(r['itl_p50_ms'])} p99 {fmt_ms(r['itl_p99_ms'])}"
+                    f"{', capped' if r['capped'] else ''}")  # fmt: skip
             rows.append(r)
+            if r["capped"]:  # more clients only thrash longer
+                break
     finally:
         srv.close()
+        if srv.cgroup is not None:
+            for r in rows:
+                r["cgroup_peak_bytes"] = srv.cgroup.get("peak_bytes")
+                r["oom_kills"] = srv.cgroup.get("oom_kills")
+    return rows
+
+
+def llama_threads(ctx: Context, gguf: Path) -> tuple[int, dict[int, float]]:
+    """The thread count (1 .. ctx.threads) at which llama.cpp decodes `gguf` fastest here, by
+    llama-bench tg16, and the tok/s of each. On a machine shared with other jobs, llama.cpp's
+    spinning thread barriers can make 2 threads 10x slower than 1 (measured: 0.7 vs 11 tok/s
+    at load average 12 on 2 cores), so the peer gets its best count, not ours."""
+    speeds = {}
+    for t in range(1, ctx.threads + 1):
+        r = llama_cpp.run_llama_bench(gguf, t, n_prompt=0, n_gen=16, repetitions=1)
+        ctx.record(r["cmd"])
+        speeds[t] = r["tg_tok_s"] or 0.0
+    return max(speeds, key=lambda t: speeds[t]), speeds
+
+
+def fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def routing_sharing(budgets: tuple[float, ...] = (0.25, 0.5, 0.75)) -> list[dict[str, Any]]:
+    """Expert reads per generated token of N concurrent decode streams of the real Mixtral
+    trace (module docstring) vs the same streams one after another, under LRU."""
+    tr = load_mixtral_jsonl(TRACE)
+    ex = tr.experts
+    n_layers = ex.shape[1]
+
+    def steps(streams: list[list[int]], batch: int) -> list[tuple[int, int, list[int]]]:
+        out = []
+        for g in range(0, len(streams), batch):
+            group = streams[g : g + batch]
+            for t in range(WINDOW_LEN):
+                for layer in range(n_layers):
+                    union = {int(e) for s in group for e in ex[s[t], layer] if e >= 0}
+                    if union:
+                        out.append((t, layer, sorted(union)))
+        return out
+
+    rows = []
+    for frac in budgets:
+        slots = int(frac * n_layers * tr.num_experts)
+        for n in CONCURRENCY:
+            streams = [list(range(w, w + WINDOW_LEN)) for w in WINDOWS[:n]]
+            tokens = n * WINDOW_LEN
+            serial = simulate(steps(streams, 1), slots, "lru")[1] / tokens
+            batched = simulate(steps(streams, n), slots, "lru")[1] / tokens
+            rows.append({
+                "budget": frac, "streams": n, "serial_reads_per_token": serial,
+                "batched_reads_per_token": batched, "io_bound_speedup": serial / batched,
+            })  # fmt: skip
     return rows
 
 
@@ -194,37 +343,89 @@ def prefix_ttft(ctx: Context, pairs: int = 3) -> dict[str, float]:
 
 def run(ctx: Context) -> Section:
     plan = {"requests": 2, "prompt": 32, "tokens": 32 if ctx.quick else 64}
-    rows = _scenario(ctx, "in RAM (demo)", DEMO, ["--prefix-cache", "0"], plan, 2048)
-    rows += _scenario(ctx, "in RAM (demo), --batch fused", DEMO,
-                      ["--prefix-cache", "0", "--batch", "fused"], plan, 2048)  # fmt: skip
-    notes = []
+    notes: list[str] = []
+    demo = ["--prefix-cache", "0", "--ctx", str(CTX)]
+    rows = _scenario(ctx, "in RAM (demo)", lambda: Server(ctx, DEMO, *demo), plan, 2048)
+    rows += _scenario(ctx, "in RAM (demo), --batch fused",
+                      lambda: Server(ctx, DEMO, *demo, "--batch", "fused"), plan, 2048)  # fmt: skip
     layers = 2 if ctx.quick else 4
     ooc = ctx.work / f"{OOC_MODEL}-L{layers}-q4_0"
+    gguf = ctx.work / f"{OOC_MODEL}-L{layers}-q4_0.gguf"
+    ooc_plan = {**plan, "tokens": plan["tokens"] // 2}
+    try:
+        have_llama = (llama_cpp.llama_bin_dir() / "llama-server").exists()
+    except Exception:
+        have_llama = False
+    if not have_llama:
+        notes.append("llama-server is not built (tools/build_llama_cpp.sh): no peer figures")
+    limit = None
     try:
         bench_decode.ensure_store(ooc, OOC_MODEL, layers, run=ctx.run)
+        if have_llama and not gguf.exists():
+            ctx.run(["nice", sys.executable, "-m", "colibri", "export-gguf", str(ooc), str(gguf)],
+                    timeout=3600)  # fmt: skip
         total = bench_decode.store_expert_nbytes(ooc)
-        budget = str(total // 4)
-        ooc_plan = {**plan, "tokens": plan["tokens"] // 2}
-        rows += _scenario(ctx, "out of core (OLMoE shape, budget 1/4)", ooc,
-                          ["--budget", budget, "--prefix-cache", "0"], ooc_plan, 50304)  # fmt: skip
+        dense = (ooc / "dense.safetensors").stat().st_size
+        budget = total // 4
+        spec = bench_decode.open_store(ooc).config
+        head_dim = spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"]
+        kv = PARALLEL * CTX * layers * 2 * spec["num_key_value_heads"] * head_dim * 4
+        limit = dense + budget + kv + LIMIT_MARGIN
+        eng = ["--prefix-cache", "0", "--ctx", str(CTX)]
+        lt = ctx.threads
+        if have_llama:
+            lt, speeds = llama_threads(ctx, gguf)
+            notes.append(f"llama-server threads: {lt} (llama-bench tg16 tok/s by threads: "
+                         + ", ".join(f"{t}: {v:.2f}" for t, v in speeds.items()) + "); colibri "
+                         f"{ctx.threads}")  # fmt: skip
+            ctx.log(notes[-1])
+        scenarios = [
+            ("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)),
+            ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt)),
+            ("OLMoE shape, out of core: colibri",
+             lambda: Server(ctx, ooc, *eng, "--budget", str(budget), limit=limit)),
+            ("OLMoE shape, out of core: llama-server",
+             lambda: LlamaServer(ctx, gguf, "--no-repack", threads=lt, limit=limit)),
+        ]  # fmt: skip
+        for name, start in scenarios:
+            if have_llama or "llama" not in name:
+                rows += _scenario(ctx, name, start, ooc_plan, 50304)
     except Exception as exc:  # the in-RAM figures still count
-        notes.append(f"out-of-core scenario failed: {exc!r}")
+        notes.append(f"OLMoE-shape scenarios failed: {exc!r}")
         ctx.log(notes[-1])
+    sharing = routing_sharing()
     prefix = prefix_ttft(ctx)
-    try:
-        have_server = (llama_cpp.llama_bin_dir() / "llama-server").exists()
-    except Exception:
-        have_server = False
-    if not have_server:
-        notes.append("llama-server is not built (tools/build_llama_cpp.sh): no peer figures yet")
+
+    def base(r: dict[str, Any]) -> float:
+        return next(x["tok_s"] for x in rows if x["scenario"] == r["scenario"])
+
     md = [table(
         ["scenario", "clients", "tok/s", "× 1 client", "ITL p50 ms", "ITL p99 ms",
-         "TTFT ms", "MiB read / token"],
-        [[r["scenario"], r["clients"], r["tok_s"],
-          r["tok_s"] / next(x["tok_s"] for x in rows if x["scenario"] == r["scenario"]),
+         "TTFT ms", "MiB read / token", "capped"],
+        [[r["scenario"], r["clients"], r["tok_s"], r["tok_s"] / base(r),
           r["itl_p50_ms"], r["itl_p99_ms"], r["ttft_mean_ms"],
-          r["bytes_read_per_token"] / 2**20] for r in rows],
+          None if r["bytes_read_per_token"] is None else r["bytes_read_per_token"] / 2**20,
+          "yes" if r["capped"] else ""] for r in rows],
     )]  # fmt: skip
+    if limit:
+        md.append(
+            f"\nOut of core: expert budget 1/4 of the experts; both servers in a memory cgroup "
+            f"of {limit / 2**30:.2f} GiB (dense weights + budget + KV + "
+            f"{LIMIT_MARGIN >> 20} MiB); the GGUF is {gguf.stat().st_size / 2**30:.2f} GiB. "
+            f"Load tests stop sending requests after {TIME_CAP:.0f} s (capped)."
+            if gguf.exists()
+            else ""
+        )
+    md.append(
+        "\nReal routing (Mixtral-8x7B per-token trace, offline LRU model): expert reads per "
+        "generated token, N streams one after another vs together in one batch.\n"
+    )
+    md.append(table(
+        ["budget (of the experts)", "streams", "serial reads / token", "batched reads / token",
+         "IO-bound speedup"],
+        [[f"{r['budget']:.0%}", r["streams"], r["serial_reads_per_token"],
+          r["batched_reads_per_token"], r["io_bound_speedup"]] for r in sharing],
+    ))  # fmt: skip
     md.append(
         f"\nPrefix cache (demo, 1,000-token shared prefix): first request TTFT "
         f"{prefix['first_ms']:.1f} ms, second {prefix['second_ms']:.1f} ms "
@@ -233,18 +434,31 @@ def run(ctx: Context) -> Section:
     )
     md += [f"\n{n}" for n in notes]
     heads = []
+    by = {(r["scenario"], r["clients"]): r for r in rows}
     for scen in dict.fromkeys(r["scenario"] for r in rows):
-        base = next(r for r in rows if r["scenario"] == scen and r["clients"] == 1)
-        four = next((r for r in rows if r["scenario"] == scen and r["clients"] == 4), None)
-        if four:
+        one, four = by.get((scen, 1)), by.get((scen, 4))
+        if one and four:
             heads.append(Headline(
                 f"serve {scen}, 4 clients vs one after another", "× tok/s",
-                four["tok_s"] / base["tok_s"],
-                target="≥ 2.5× out of core" if "out of core" in scen else "",
+                four["tok_s"] / one["tok_s"],
+                target="≥ 2.5×" if "out of core: colibri" in scen else "",
             ))  # fmt: skip
+    for where, target in (("in RAM", "≥ 1.0×"), ("out of core", "≥ 2×")):
+        c = by.get((f"OLMoE shape, {where}: colibri", 4))
+        peer = by.get((f"OLMoE shape, {where}: llama-server", 4))
+        if c and peer and peer["tok_s"] > 0:
+            heads.append(Headline(
+                f"serve OLMoE shape {where}, 4 clients: colibri / llama-server", "× tok/s",
+                c["tok_s"] / peer["tok_s"], target=target,
+            ))  # fmt: skip
+    four = next((r for r in sharing if r["streams"] == 4 and r["budget"] == 0.25), None)
+    if four:
+        heads.append(Headline("real routing, 4 streams, budget 1/4: reads/token serial / batched",
+                              "×", four["io_bound_speedup"]))  # fmt: skip
     heads.append(Headline("serve prefix cache: 2nd TTFT / 1st", "ratio", prefix["ratio"],
                           target="< 0.2"))  # fmt: skip
     return Section(
         key="serve", title=TITLE, markdown="\n".join(md),
-        data={"rows": rows, "prefix": prefix, "notes": notes}, headlines=heads,
+        data={"rows": rows, "prefix": prefix, "sharing": sharing, "notes": notes,
+              "limit_bytes": limit}, headlines=heads,
     )  # fmt: skip

@@ -1,0 +1,34 @@
+"""bench/sec_serve.py's pure parts: the real-routing sharing figures (offline LRU model over the
+real Mixtral-8x7B trace in ../shared/data/routing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.bench import sec_serve
+from colibri.io.trace import load_mixtral_jsonl
+
+if not sec_serve.TRACE.exists():
+    pytest.skip(f"shared data missing: {sec_serve.TRACE}", allow_module_level=True)
+
+
+def test_routing_sharing_counts_reads_of_the_union():
+    rows = sec_serve.routing_sharing((1.0, 0.25))
+    ex = load_mixtral_jsonl(sec_serve.TRACE).experts
+    for n in sec_serve.CONCURRENCY:
+        # a cache holding every record only misses each (layer, expert) once, batched or not
+        windows = [ex[w : w + sec_serve.WINDOW_LEN] for w in sec_serve.WINDOWS[:n]]
+        first = np.concatenate(windows).reshape(-1, ex.shape[1], ex.shape[2])
+        distinct = {(layer, int(e)) for t in first for layer in range(ex.shape[1])
+                    for e in t[layer] if e >= 0}  # fmt: skip
+        full = next(r for r in rows if r["budget"] == 1.0 and r["streams"] == n)
+        want = len(distinct) / (n * sec_serve.WINDOW_LEN)
+        assert full["serial_reads_per_token"] == pytest.approx(want)
+        assert full["batched_reads_per_token"] == pytest.approx(want)
+        small = next(r for r in rows if r["budget"] == 0.25 and r["streams"] == n)
+        assert small["serial_reads_per_token"] > want  # 64 of 256 records: evictions
+        # a batch step reads at most its union: top-2 of 8 per stream, 8 per layer at most
+        assert small["batched_reads_per_token"] <= min(2 * n, 8) * ex.shape[1] / n
+    one = [r for r in rows if r["streams"] == 1]
+    assert all(r["serial_reads_per_token"] == r["batched_reads_per_token"] for r in one)
