@@ -7,8 +7,12 @@ ready; shared expert or dense MLP; residual. Math runs in a one-thread executor 
 multi-threaded inside), so the event loop keeps reaping IO completions while kernels run.
 
 Results do not depend on arrival order: each expert writes its own output slot and the slots
-are summed in a fixed order, so placement (backend, budget, policy, prefetch) changes speed,
-never tokens.
+are summed in a fixed order, so placement (backend, budget, policy, prefetch, the machine
+that owns an expert) changes speed, never tokens.
+
+With an expert-FFN provider (`Pipeline.experts`, e.g. colibri/cluster's ClusterExperts), the
+routed experts run elsewhere: the layer awaits the provider's filled slots the way it awaits
+local records, computing the shared expert meanwhile, and adds them in the same order.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class Pipeline:
         self.route_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
+        # experts: a provider of the routed experts' outputs computed elsewhere, or None (they
+        # come from `cache` and run here). It has `prefetch` (bool: wants the next layer's
+        # prediction) and `async ffn(layer, routed, predicted) -> slots`: routed as below,
+        # predicted (next MoE layer, [expert ids]) or None; returns per entry of routed the
+        # f32 [n, top_k, d_model] weighted outputs, slot [t, j] from expert ids[t, j]
+        self.experts: Any = None
 
     def close(self) -> None:
         if self._own_executor:
@@ -180,11 +190,15 @@ class Pipeline:
                     np.concatenate([ids for _, ids, _ in routed]),
                 )
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
-            self.cache.request(i, experts)  # misses go to disk now, as one batch
             records += len(experts)
-            if self.prefetcher is not None and predicted is not None:
-                self.prefetcher.predict(*predicted)
-            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
+            rows = xs if stacked is None else [stacked]
+            if self.experts is not None:
+                await self._moe_elsewhere(i, rows, routed, predicted)
+            else:
+                self.cache.request(i, experts)  # misses go to disk now, as one batch
+                if self.prefetcher is not None and predicted is not None:
+                    self.prefetcher.predict(*predicted)
+                await self._moe(i, rows, routed, experts)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
@@ -243,7 +257,8 @@ class Pipeline:
         one (h, ids, weights) entry for the whole batch."""
         m = self.model
         nxt = None
-        if self.prefetcher is not None and self.prefetcher.enabled:
+        elsewhere = self.experts is not None and self.experts.prefetch
+        if elsewhere or (self.prefetcher is not None and self.prefetcher.enabled):
             nxt = next((j for j in self._moe_layers if j > i), None)
         if stacked is not None:
             for x, kv, p in zip(xs, kvs, pos0, strict=True):
@@ -328,6 +343,28 @@ class Pipeline:
             for r in await asyncio.gather(*rest, return_exceptions=True):
                 if isinstance(r, tuple):
                     r[1].release()
+
+    async def _moe_elsewhere(
+        self,
+        i: int,
+        xs: list[np.ndarray],
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        predicted: tuple[int, list[int]] | None,
+    ) -> None:
+        """As _moe, the routed experts computed by `self.experts` (on other machines): the
+        shared expert runs here while their outputs travel; then the same slot-order sums."""
+        call = asyncio.ensure_future(self.experts.ffn(i, routed, predicted))
+        try:
+            await self._run(self._expert_step, i, [], xs, routed, [], True, False)
+            t0 = time.perf_counter()
+            slots = await call
+            self.times.wait_io += time.perf_counter() - t0
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        await self._run(self._expert_step, i, [], xs, routed, slots, False, True)
+        self.times.experts += len(np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])))
 
     def _expert_step(
         self,
