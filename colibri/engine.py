@@ -371,9 +371,9 @@ class Engine:
         from colibri.cluster.placement import load_shard_map
 
         o = self.options
-        shard = nodes = None
+        shard = nodes = hosts = None
         if o.shard_map is not None:
-            shard, nodes = load_shard_map(
+            shard, nodes, hosts = load_shard_map(
                 o.shard_map, len(self.spec.layers), self.store.num_experts
             )
         return open_cluster_experts(
@@ -382,6 +382,7 @@ class Engine:
             owners_per_node=o.owners_per_node,
             shard=shard,
             node_stores=nodes,
+            hosts=hosts,
             budget=budget,
             threads=o.threads,
             activations=o.activations,

@@ -30,6 +30,7 @@ import numpy as np
 from colibri.model import KVCache, Model
 
 T = TypeVar("T")
+INLINE_ROWS = 16  # _moe_elsewhere sums the slots of up to this many rows on the event loop
 
 
 @dataclass
@@ -363,7 +364,10 @@ class Pipeline:
             if not call.done():
                 call.cancel()
                 await asyncio.gather(call, return_exceptions=True)
-        await self._run(self._expert_step, i, [], xs, routed, slots, False, True)
+        if sum(len(x) for x in xs) <= INLINE_ROWS:  # a few adds: not worth a thread hand-off
+            self._expert_step(i, [], xs, routed, slots, False, True)
+        else:
+            await self._run(self._expert_step, i, [], xs, routed, slots, False, True)
         self.times.experts += len(np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])))
 
     def _expert_step(

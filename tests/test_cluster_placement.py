@@ -47,12 +47,14 @@ def test_shard_map_file_round_trip_and_errors(tmp_path):
     shard = place([1], 2, 4, 2, 4096)
     path = tmp_path / "map.json"
     save_shard_map(path, shard, ["/a", "/b"])
-    got, nodes = load_shard_map(path, 2, 4)
-    assert np.array_equal(got, shard) and nodes == ["/a", "/b"]
+    got, nodes, hosts = load_shard_map(path, 2, 4)
+    assert np.array_equal(got, shard) and nodes == ["/a", "/b"] and hosts is None
+    save_shard_map(path, shard, ["/a", "/b"], ["10.0.0.1", "10.0.0.2"])
+    assert load_shard_map(path, 2, 4)[2] == ["10.0.0.1", "10.0.0.2"]
     with pytest.raises(ColibriError, match=r"map.json: shard map is \[2, 4\], the model has"):
         load_shard_map(path, 3, 4)
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ColibriError, match="bad.json: not a shard map"):
+    with pytest.raises(ColibriError, match=r"bad\.json: not a shard map"):
         load_shard_map(tmp_path / "bad.json", 2, 4)
 
 

@@ -236,8 +236,9 @@ class ClusterExperts:
         owner.busy_seconds += busy
         owner.bytes_sent += sum(a.nbytes for p in parts for a in p)
         owner.bytes_received += sum(a.nbytes for a in outs)
-        owner.counts = counts
-        owner.pid = counts.get("pid", owner.pid)
+        if counts:
+            owner.counts = counts
+            owner.pid = counts.get("pid", owner.pid)
         return outs, busy
 
     async def _revive(self) -> None:
@@ -272,8 +273,8 @@ class ClusterExperts:
             owner.down = False
 
     def counts(self) -> dict[str, Any]:
-        """The owners' expert cache counts (ExpertCache.counts() keys) summed, as of each
-        owner's last answer."""
+        """The owners' expert cache counts (ExpertCache.counts() keys) summed, as each owner
+        last sent them (every owner.COUNTS_EVERY seconds at most)."""
         total: dict[str, Any] = {}
         for owner in self._owners:
             for k, v in owner.counts.items():
@@ -344,6 +345,7 @@ def open_cluster_experts(
     owners_per_node: int = 1,
     shard: np.ndarray | None = None,
     node_stores: Sequence[str] | None = None,
+    hosts: Sequence[str] | None = None,
     popularity: Mapping[tuple[int, int], float] | None = None,
     budget: int | None = None,
     threads: int = 0,
@@ -361,12 +363,14 @@ def open_cluster_experts(
 
     store: the coordinator's Store (its config and record size). Owners: owners_per_node on
     each alive node, or one per entry of node_stores (each owner's store directory on its
-    node; default: store.path on every node). shard: the shard map (placement.py); default
-    place() by `popularity` over the owners. budget: each owner's expert cache bytes (None:
-    every record of its store that fits in half its node's memory). threads, activations,
-    pad: the owners' kernels (activations and pad must be the coordinator's). io, policy,
-    verify, prefetch, queue_depth: the owners' IO stacks. Raises ColibriError when Ray is not
-    installed, the cluster cannot be reached, or an owner cannot open its store.
+    node; default: store.path on every node), owner k on the node whose IP is hosts[k] when
+    given, else on the alive nodes in turn (Ray node id order). shard: the shard map
+    (placement.py); default place() by `popularity` over the owners. budget: each owner's
+    expert cache bytes (None: every record of its store that fits in half its node's
+    memory). threads, activations, pad: the owners' kernels (activations and pad must be
+    the coordinator's). io, policy, verify, prefetch, queue_depth: the owners' IO stacks.
+    Raises ColibriError when Ray is not installed, the cluster cannot be reached, or an
+    owner cannot open its store.
     """
     try:
         import ray
@@ -409,6 +413,17 @@ def open_cluster_experts(
     owners = []
     for o, path in enumerate(paths):
         node = nodes[o % len(nodes)]
+        if hosts is not None:
+            node = next((n for n in nodes if n["NodeManagerAddress"] == hosts[o]), None)
+            if node is None:
+                for w in owners:
+                    ray.kill(w.handle, no_restart=True)
+                if ray_owned:
+                    ray.shutdown()
+                raise ColibriError(
+                    f"--shard-map: owner {o}'s host {hosts[o]} is not an alive node of the "
+                    f"cluster ({', '.join(sorted({n['NodeManagerAddress'] for n in nodes}))})"
+                )
         owners.append(_Owner(o, *spawn(path, node), path))
     from colibri.registry import model_spec
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 
+COUNTS_EVERY = 0.25  # seconds between two counts() sent back with an ffn answer
 Part = tuple[np.ndarray, np.ndarray, np.ndarray]  # h f32 [m, d], ids int32 [m, k], w f32 [m, k]
 
 
@@ -63,6 +64,7 @@ class ExpertOwner:
         self._opening: asyncio.Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="colibri-owner")
         self._last_layer = -1
+        self._counted = -COUNTS_EVERY
         self.calls = 0
         self.compute_seconds = 0.0
         self.wait_io_seconds = 0.0
@@ -108,9 +110,10 @@ class ExpertOwner:
     ) -> tuple[list[np.ndarray], dict[str, Any]]:
         """The owned slots of MoE layer `layer` for each part: f32 [P, d_model], the
         (row, slot) pairs where ids >= 0 in row-major order (np.nonzero(ids >= 0)).
-        predicted: (next MoE layer, [expert ids]) to prefetch. Also returns counts() (the
-        coordinator's statistics). Raises StoreError (a record failed its checksum) and
-        ColibriError (an expert this store does not hold)."""
+        predicted: (next MoE layer, [expert ids]) to prefetch. Also returns counts() (for the
+        coordinator's statistics; at most every COUNTS_EVERY seconds, else {}). Raises
+        StoreError (a record failed its checksum) and ColibriError (an expert this store
+        does not hold)."""
         await self.open()
         cache, prefetcher = self.stack.cache, self.stack.prefetcher
         if prefetcher is not None and layer <= self._last_layer:
@@ -130,6 +133,31 @@ class ExpertOwner:
         cache.request(layer, experts)
         if prefetcher is not None and predicted is not None:
             prefetcher.predict(*predicted)
+        if all(cache.contains(layer, e) for e in experts):
+            # every record in RAM: compute right here, no trip to the compute thread (at
+            # batch 1 a thread hand-off costs more than the kernels on a loaded machine)
+            ready = [(e, await cache.get(layer, e)) for e in experts]  # never suspends
+            try:
+                t0 = time.perf_counter()
+                self._compute(layer, ready, parts, outs)
+                self.compute_seconds += time.perf_counter() - t0
+            finally:
+                for _, lease in ready:
+                    lease.release()
+        else:
+            await self._read_and_compute(layer, experts, parts, outs)
+        now = time.monotonic()
+        counts: dict[str, Any] = {}
+        if now - self._counted >= COUNTS_EVERY:  # counts() walks the cache's entries
+            self._counted, counts = now, self.counts()
+        return [out[ids >= 0] for out, (_, ids, _) in zip(outs, parts, strict=True)], counts
+
+    async def _read_and_compute(
+        self, layer: int, experts: list[int], parts: list[Part], outs: list[np.ndarray]
+    ) -> None:
+        """Each record as it arrives (several per trip to the compute thread), released
+        right after, so a budget smaller than the layer's experts still makes progress."""
+        cache = self.stack.cache
         loop = asyncio.get_running_loop()
 
         async def get(e: int) -> tuple[int, Any]:
@@ -160,7 +188,6 @@ class ExpertOwner:
             for r in await asyncio.gather(*pending, return_exceptions=True):
                 if isinstance(r, tuple):
                     r[1].release()
-        return [out[ids >= 0] for out, (_, ids, _) in zip(outs, parts, strict=True)], self.counts()
 
     def _compute(
         self, layer: int, ready: list[tuple[int, Any]], parts: list[Part], outs: list[np.ndarray]

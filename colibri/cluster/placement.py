@@ -79,25 +79,38 @@ def place(
     return shard
 
 
-def save_shard_map(path: str | os.PathLike[str], shard: np.ndarray, nodes: Sequence[str]) -> None:
-    """Write a shard map as JSON ({"nodes": [...], "owner": [[...], ...]}), atomically."""
+def save_shard_map(
+    path: str | os.PathLike[str],
+    shard: np.ndarray,
+    nodes: Sequence[str],
+    hosts: Sequence[str] | None = None,
+) -> None:
+    """Write a shard map as JSON, atomically: {"nodes": [owner k's store path], "owner":
+    [[owner of each expert] per layer], optionally "hosts": [owner k's node IP]}."""
     path = Path(path)
+    data: dict = {"nodes": list(nodes), "owner": shard.tolist()}
+    if hosts is not None:
+        data["hosts"] = list(hosts)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"nodes": list(nodes), "owner": shard.tolist()}) + "\n")
+    tmp.write_text(json.dumps(data) + "\n")
     os.replace(tmp, path)
 
 
 def load_shard_map(
     path: str | os.PathLike[str], num_layers: int, num_experts: int
-) -> tuple[np.ndarray, list[str]]:
-    """(shard map, node store paths) from a save_shard_map file. Raises ColibriError naming
-    the file when it is unreadable or its shape does not match the model."""
+) -> tuple[np.ndarray, list[str], list[str] | None]:
+    """(shard map, owners' store paths, owners' node IPs or None) from a save_shard_map
+    file. Raises ColibriError naming the file when it is unreadable or does not match the
+    model."""
     try:
         data = json.loads(Path(path).read_text())
         shard = np.asarray(data["owner"], dtype=np.int32)
         nodes = [str(n) for n in data["nodes"]]
+        hosts = [str(h) for h in data["hosts"]] if "hosts" in data else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ColibriError(f"{path}: not a shard map ({exc})") from None
+    if hosts is not None and len(hosts) != len(nodes):
+        raise ColibriError(f"{path}: {len(hosts)} hosts for {len(nodes)} nodes")
     if shard.shape != (num_layers, num_experts):
         raise ColibriError(
             f"{path}: shard map is {list(shard.shape)}, the model has "
@@ -105,4 +118,4 @@ def load_shard_map(
         )
     if shard.max(initial=-1) >= len(nodes):
         raise ColibriError(f"{path}: owner {int(shard.max())} but only {len(nodes)} nodes")
-    return shard, nodes
+    return shard, nodes, hosts
