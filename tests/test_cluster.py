@@ -174,3 +174,35 @@ def test_run_cli_with_cluster_prints_the_same_text(cluster):
     assert remote.stdout == alone.stdout and len(alone.stdout) > len("The for statement")
     line = next(s for s in remote.stderr.splitlines() if s.startswith("[cluster:"))
     assert "owner 0 @" in line and "owner 1 @" in line and "0 errors" in line
+
+
+def test_serve_with_cluster_answers_as_one_process(cluster):
+    """The OpenAI-compatible server on a --cluster engine: concurrent chat completions equal
+    the single-process engine's, and /metrics has one latency series per expert owner."""
+    import concurrent.futures
+
+    import httpx2 as httpx
+    import openai
+
+    from colibri import SyncEngine
+    from tests.serve_util import DEMO, running_server
+
+    chats = [[{"role": "user", "content": f"Write a for statement {i}"}] for i in range(3)]
+    with SyncEngine(DEMO, io="threads", threads=1) as eng:
+        expected = [eng.generate(c, max_tokens=8, temperature=0) for c in chats]
+    opts = {"cluster": cluster, "threads": 1}
+    with running_server(parallel=3, engine_options=opts) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+        def ask(c):
+            r = oai.chat.completions.create(
+                model="colibri-demo", messages=c, max_tokens=8, temperature=0
+            )
+            return r.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, chats)) == expected
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+    calls = [ln for ln in text.splitlines() if ln.startswith("colibri_cluster_owner_calls_total")]
+    assert len(calls) == 2 and all(float(ln.rpartition(" ")[2]) > 0 for ln in calls)
+    assert any(ln.startswith("colibri_cluster_owner_latency_ms{") for ln in text.splitlines())

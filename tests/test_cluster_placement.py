@@ -85,3 +85,46 @@ def test_without_ray_nothing_imports_it_and_cluster_says_how_to_get_it():
         "ray imported: False",
         "--cluster needs Ray: pip install 'colibri[cluster]' (or pip install ray)",
     ]
+
+
+def test_cluster_plan_bounds_follow_the_formula():
+    from colibri.cluster.plan import cluster_bounds, cluster_plan
+    from colibri.io.format import open_store
+    from colibri.run import DEMO_STORE
+
+    store = open_store(DEMO_STORE)
+    p = cluster_plan(store, 2, budget=1 << 30, disk_gbps=1.0, memory_gbps=10.0,
+                     dense_touched_nbytes=10**6, network_gbit=10.0, call_ms=0.5)  # fmt: skip
+    assert sum(r["records"] for r in p["placement"]) == len(store.records)
+    assert sum(r["share"] for r in p["placement"]) == pytest.approx(1.0)
+    assert all(r["hit_rate"] == 1.0 for r in p["placement"])  # 1 GiB holds every record
+    layers, k, d = (
+        len(store.moe_layers),
+        store.config["num_experts_per_tok"],
+        64 * 0 + (store.layout.d_model),
+    )
+    touched = 2 * (1 - (1 - 1 / 2) ** k)
+    wire = layers * (touched * (4 * d + 8 * k) + 4 * d * k)
+    assert p["wire_nbytes"] == pytest.approx(wire)
+    assert p["t_network"] == pytest.approx(wire * 8 / 10e9 + layers * 0.5e-3)
+    assert p["tok_s"]["storage"] is None  # nothing read from disk
+    assert p["tok_s"]["combined"] == pytest.approx(1 / p["t_token"])
+    # a slower link or call only lowers the bound; misses add the storage term
+    b = cluster_bounds(moe_layers=4, top_k=2, d_model=64, record_nbytes=10**6,
+                       dense_touched_nbytes=0, shares=[0.5, 0.5], hit_rates=[0.5, 0.0],
+                       disk_gbps=[1.0, 1.0], memory_gbps=10.0, network_gbit=1.0,
+                       call_ms=1)  # fmt: skip
+    # node 1 misses everything: 4 layers x top-2 x half the routing x 1 MB at 1 GB/s
+    assert b["tok_s"]["storage"] == pytest.approx(1 / (4 * 2 * 0.5 * 10**6 / 1e9))
+
+
+def test_plan_cli_prints_the_cluster_placement():
+    out = subprocess.run(
+        [sys.executable, "-m", "colibri", "plan", "--cluster", "3", "--no-profile"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(ln.startswith("cluster: 3 nodes") for ln in lines)
+    assert sum(ln.startswith("  node ") for ln in lines) == 3
+    assert any(ln.startswith("cluster decode: ") and "network bound" in ln for ln in lines)

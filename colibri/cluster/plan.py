@@ -99,8 +99,9 @@ def cluster_plan(
     spec = model_spec(store.config)
     record = int(store.layout.record_nbytes)
     slot = -(-record // 4096) * 4096
+    usage = usage or {}
     pop = {(r.layer, r.expert): float(usage.get((r.layer, r.expert), 0)) for r in store.records}
-    if not usage or sum(pop.values()) == 0:
+    if sum(pop.values()) == 0:
         pop = {k: 1.0 for k in pop}
     if shard is None:
         shard = place(
