@@ -30,13 +30,14 @@ N_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes on this machine (one CPU each), joined by this process."""
+    """Two Ray nodes on this machine (one CPU each), joined by this process (yields the
+    ray.cluster_utils.Cluster; tests pass cluster.address)."""
     c = cluster_utils.Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
     )
     c.add_node(num_cpus=1)
     ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
-    yield c.address
+    yield c
     ray.shutdown()
     c.shutdown()
 
@@ -70,7 +71,7 @@ def mixtral(tmp_path_factory):
 def test_every_family_is_bit_identical_on_two_nodes(cluster, tmp_path, case):
     store = _store(tmp_path, case)
     tokens, logits, _ = asyncio.run(_greedy(store))
-    c_tokens, c_logits, st = asyncio.run(_greedy(store, cluster=cluster, n=4))
+    c_tokens, c_logits, st = asyncio.run(_greedy(store, cluster=cluster.address, n=4))
     assert c_tokens == tokens[:4]
     assert np.array_equal(c_logits, logits[:5])  # every bit, not just the argmax
     owners = st.cluster.owners
@@ -91,7 +92,7 @@ def test_any_shard_map_gives_the_same_logits(cluster, mixtral, tmp_path, owners)
     path = tmp_path / "shards.json"
     save_shard_map(path, shard, [str(mixtral)] * n)
     tokens, logits, _ = asyncio.run(_greedy(mixtral, budget=None))
-    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster, shard_map=str(path)))
+    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(path)))
     assert c_tokens == tokens
     assert np.array_equal(c_logits, logits)
     assert len(st.cluster.owners) == n
@@ -104,7 +105,7 @@ def test_any_shard_map_gives_the_same_logits(cluster, mixtral, tmp_path, owners)
 
 def test_killed_owner_fails_the_request_and_the_next_succeeds(cluster, mixtral):
     async def main():
-        async with open_engine(mixtral, threads=1, cluster=cluster) as engine:
+        async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
             alone = [t.token_id async for t in engine.stream(PROMPT, max_tokens=6, temperature=0)]
             got = []
             with pytest.raises(ColibriError, match=r"expert owner 1 on node .* failed during MoE"):
@@ -138,7 +139,7 @@ def test_shard_writes_per_node_stores_that_give_the_same_logits(cluster, mixtral
     assert held[0].isdisjoint(held[1])
     assert held[0] | held[1] == {(r.layer, r.expert) for r in s.records}
     tokens, logits, _ = asyncio.run(_greedy(mixtral))
-    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster, shard_map=str(target)))
+    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(target)))
     assert c_tokens == tokens and np.array_equal(c_logits, logits)
     assert [o.records for o in st.cluster.owners] == [len(h) for h in held]
     # a map that sends an owner experts its node store lacks: one clear error per request
@@ -146,7 +147,7 @@ def test_shard_writes_per_node_stores_that_give_the_same_logits(cluster, mixtral
     data["owner"] = [[1 - o if o >= 0 else o for o in row] for row in data["owner"]]
     target.write_text(json.dumps(data))
     with pytest.raises(ColibriError, match=r"expert owner \d on node .*node-\d: expert \d+ of "):
-        asyncio.run(_greedy(mixtral, cluster=cluster, shard_map=str(target)))
+        asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(target)))
 
 
 def test_owner_store_missing_is_one_clear_error(cluster, mixtral, tmp_path):
@@ -155,7 +156,7 @@ def test_owner_store_missing_is_one_clear_error(cluster, mixtral, tmp_path):
     path = tmp_path / "shards.json"
     save_shard_map(path, shard, [str(mixtral), str(tmp_path / "nowhere")])
     with pytest.raises(ColibriError, match=r"expert owner cannot start: .*nowhere"):
-        asyncio.run(_greedy(mixtral, cluster=cluster, shard_map=str(path)))
+        asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(path)))
 
 
 def test_run_cli_with_cluster_prints_the_same_text(cluster):
@@ -170,7 +171,7 @@ def test_run_cli_with_cluster_prints_the_same_text(cluster):
         assert out.returncode == 0, out.stderr
         return out
 
-    alone, remote = run(), run("--cluster", cluster)
+    alone, remote = run(), run("--cluster", cluster.address)
     assert remote.stdout == alone.stdout and len(alone.stdout) > len("The for statement")
     line = next(s for s in remote.stderr.splitlines() if s.startswith("[cluster:"))
     assert "owner 0 @" in line and "owner 1 @" in line and "0 errors" in line
@@ -190,7 +191,7 @@ def test_serve_with_cluster_answers_as_one_process(cluster):
     chats = [[{"role": "user", "content": f"Write a for statement {i}"}] for i in range(3)]
     with SyncEngine(DEMO, io="threads", threads=1) as eng:
         expected = [eng.generate(c, max_tokens=8, temperature=0) for c in chats]
-    opts = {"cluster": cluster, "threads": 1}
+    opts = {"cluster": cluster.address, "threads": 1}
     with running_server(parallel=3, engine_options=opts) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=120, max_retries=0)
 
@@ -206,3 +207,32 @@ def test_serve_with_cluster_answers_as_one_process(cluster):
     calls = [ln for ln in text.splitlines() if ln.startswith("colibri_cluster_owner_calls_total")]
     assert len(calls) == 2 and all(float(ln.rpartition(" ")[2]) > 0 for ln in calls)
     assert any(ln.startswith("colibri_cluster_owner_latency_ms{") for ln in text.splitlines())
+
+
+def test_a_node_that_leaves_fails_the_request_and_its_owner_moves(cluster, mixtral):
+    """A third node joins, gets an owner, and leaves mid-generation: that request fails
+    naming the owner; the owner is started again on a node still there and the next request
+    gets the single-process tokens."""
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+
+    async def main():
+        async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
+            handles = engine.cluster.handles()
+            assert len(handles) == 3
+            st = engine.statistics().cluster
+            leaving = next(o.index for o in st.owners if o.node_id == node.node_id)
+            alone = [t.token_id async for t in engine.stream(PROMPT, max_tokens=6, temperature=0)]
+            got = []
+            with pytest.raises(ColibriError, match=rf"expert owner {leaving} on node .* failed"):
+                async for t in engine.stream(PROMPT, max_tokens=40, temperature=0, ignore_eos=True):
+                    got.append(t.token_id)
+                    if len(got) == 2:
+                        cluster.remove_node(node)
+            again = [t.token_id async for t in engine.stream(PROMPT, max_tokens=6, temperature=0)]
+            return alone, again, engine.statistics().cluster, leaving
+
+    alone, again, st, leaving = asyncio.run(main())
+    assert again == alone
+    moved = st.owners[leaving]
+    assert moved.restarts == 1 and moved.node_id != node.node_id

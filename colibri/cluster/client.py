@@ -216,7 +216,7 @@ class ClusterExperts:
         t0 = time.perf_counter()
         try:
             outs, counts = await owner.handle.ffn.remote(layer, parts, guess)
-        except ray.exceptions.RayActorError as exc:
+        except _gone(ray) as exc:
             owner.errors += 1
             owner.down = True
             raise ColibriError(
@@ -254,10 +254,14 @@ class ClusterExperts:
                 try:
                     info = await owner.handle.open.remote()
                     break
-                except ray.exceptions.ActorDiedError:
-                    owner.handle, owner.node_id, owner.node = self._spawn(owner.path, None)
-                except ray.exceptions.RayActorError:
-                    pass
+                except _gone(ray) as exc:
+                    gone = owner.node_id not in {n["NodeID"] for n in _alive_nodes()}
+                    dead = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError)
+                    if isinstance(exc, dead) or gone:
+                        # dead for good, or its node left: start it on a node still there
+                        with contextlib.suppress(Exception):
+                            ray.kill(owner.handle, no_restart=True)
+                        owner.handle, owner.node_id, owner.node = self._spawn(owner.path, None)
                 except ray.exceptions.RayTaskError as exc:
                     raise ColibriError(
                         f"expert owner {owner.index} on node {owner.node}: {exc.cause}"
@@ -330,6 +334,11 @@ class ClusterExperts:
             ray.kill(owner.handle, no_restart=True)
         if self._ray_owned:
             ray.shutdown()
+
+
+def _gone(ray: Any) -> tuple[type[BaseException], ...]:
+    """The errors of an owner that died, restarts, or whose node left (no answer to wait for)."""
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
