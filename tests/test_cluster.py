@@ -92,7 +92,9 @@ def test_any_shard_map_gives_the_same_logits(cluster, mixtral, tmp_path, owners)
     path = tmp_path / "shards.json"
     save_shard_map(path, shard, [str(mixtral)] * n)
     tokens, logits, _ = asyncio.run(_greedy(mixtral, budget=None))
-    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(path)))
+    c_tokens, c_logits, st = asyncio.run(
+        _greedy(mixtral, cluster=cluster.address, shard_map=str(path))
+    )
     assert c_tokens == tokens
     assert np.array_equal(c_logits, logits)
     assert len(st.cluster.owners) == n
@@ -139,7 +141,9 @@ def test_shard_writes_per_node_stores_that_give_the_same_logits(cluster, mixtral
     assert held[0].isdisjoint(held[1])
     assert held[0] | held[1] == {(r.layer, r.expert) for r in s.records}
     tokens, logits, _ = asyncio.run(_greedy(mixtral))
-    c_tokens, c_logits, st = asyncio.run(_greedy(mixtral, cluster=cluster.address, shard_map=str(target)))
+    c_tokens, c_logits, st = asyncio.run(
+        _greedy(mixtral, cluster=cluster.address, shard_map=str(target))
+    )
     assert c_tokens == tokens and np.array_equal(c_logits, logits)
     assert [o.records for o in st.cluster.owners] == [len(h) for h in held]
     # a map that sends an owner experts its node store lacks: one clear error per request

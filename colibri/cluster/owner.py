@@ -25,6 +25,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 
+INLINE_ROWS = 16  # up to this many rows with every record cached are computed on the loop
 COUNTS_EVERY = 0.25  # seconds between two counts() sent back with an ffn answer
 Part = tuple[np.ndarray, np.ndarray, np.ndarray]  # h f32 [m, d], ids int32 [m, k], w f32 [m, k]
 
@@ -133,9 +134,10 @@ class ExpertOwner:
         cache.request(layer, experts)
         if prefetcher is not None and predicted is not None:
             prefetcher.predict(*predicted)
-        if all(cache.contains(layer, e) for e in experts):
-            # every record in RAM: compute right here, no trip to the compute thread (at
-            # batch 1 a thread hand-off costs more than the kernels on a loaded machine)
+        rows = sum(len(h) for h, _, _ in parts)
+        if rows <= INLINE_ROWS and all(cache.contains(layer, e) for e in experts):
+            # decode, every record in RAM: compute right here, no trip to the compute thread
+            # (at batch 1 a thread hand-off costs more than the kernels on a loaded machine)
             ready = [(e, await cache.get(layer, e)) for e in experts]  # never suspends
             try:
                 t0 = time.perf_counter()
