@@ -128,3 +128,46 @@ def test_plan_cli_prints_the_cluster_placement():
     assert any(ln.startswith("cluster: 3 nodes") for ln in lines)
     assert sum(ln.startswith("  node ") for ln in lines) == 3
     assert any(ln.startswith("cluster decode: ") and "network bound" in ln for ln in lines)
+
+
+def test_shard_balances_by_a_trace_and_respects_budgets(tmp_path):
+    """`colibri shard` on the demo store: placement from a routing trace the engine recorded
+    (counts computed here with numpy), and per-node byte budgets on the command line."""
+    import asyncio
+
+    from colibri.cluster.shard import shard_store
+    from colibri.engine import open_engine
+    from colibri.io.format import open_store
+    from colibri.io.trace import RoutingTrace
+    from colibri.registry import model_spec
+    from colibri.run import DEMO_STORE
+
+    async def record():
+        async with open_engine(DEMO_STORE, io="threads") as engine:
+            with engine.capture_routing() as writer:
+                await engine.generate("The for statement", max_tokens=6, temperature=0)
+            writer.save(tmp_path / "trace.npz")
+
+    asyncio.run(record())
+    trace = RoutingTrace.load(tmp_path / "trace.npz")
+    store = open_store(DEMO_STORE)
+    spec = model_spec(store.config)
+    pop = {}
+    for layer in store.moe_layers:
+        ids = trace.experts[:, layer].ravel()
+        counts = np.bincount(ids[ids >= 0], minlength=store.num_experts)
+        pop.update({(layer, e): float(c) for e, c in enumerate(counts) if c})
+    target = shard_store(DEMO_STORE, tmp_path / "a", 2, trace=str(tmp_path / "trace.npz"))
+    got, nodes, _ = load_shard_map(target, len(spec.layers), store.num_experts)
+    want = place(store.moe_layers, len(spec.layers), store.num_experts, 2,
+                 store.layout.record_nbytes, popularity=pop)  # fmt: skip
+    assert np.array_equal(got, want) and len(nodes) == 2
+    record = store.layout.record_nbytes
+    out = subprocess.run(
+        [sys.executable, "-m", "colibri", "shard", str(DEMO_STORE), "--nodes", "2", "--out",
+         str(tmp_path / "b"), "--budget", f"{5 * record},1G", "--gbps", "1,1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    held = [len(open_store(tmp_path / "b" / f"node-{k}").records) for k in range(2)]
+    assert held == [5, len(store.records) - 5]
