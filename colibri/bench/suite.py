@@ -17,7 +17,8 @@ on the same GGUF weights: in RAM, and both engines under one cgroup memory limit
 where GGUF has the type), mirror
 (expert reads spread over copies of the experts file on several drives), quality
 (perplexity, KL and routing agreement of every expert format against the f32 store), serve
-(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT).
+(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT),
+cluster (experts on a local 2-node Ray cluster vs the single-process engine; needs Ray).
 
 Big files (synthetic stores, GGUFs, the fio file) go to --work and are kept for the next run.
 """
@@ -45,6 +46,7 @@ SECTIONS: dict[str, str] = {
     "mirror": "colibri.bench.sec_mirror",
     "quality": "colibri.bench.sec_quality",
     "serve": "colibri.bench.sec_serve",
+    "cluster": "colibri.bench.sec_cluster",
 }
 
 
