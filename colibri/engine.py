@@ -102,8 +102,10 @@ class EngineOptions:
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
     each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_0" (default:
     Q4_0/Q8_0 weights multiply Q8_0-quantized activations with integer dot products, as
-    llama.cpp's CPU backend does; 10% faster decode and 2.5-3x faster prefill here) | "f32"
-    (exact f32 activations); float weights always keep f32."""
+    llama.cpp's CPU backend does; 10% faster decode and 2.5-3x faster prefill here) | "q8_k"
+    (as q8_0, but experts whose gate, up and down are all Q4_K / Q5_K / Q6_K run on Q8_K
+    activations by the K-quant GEMM, llama.cpp's K-quant path: faster prefill, slower
+    single-token decode) | "f32" (exact f32 activations); float weights always keep f32."""
 
     budget: int | None = None
     policy: str = "nextuse"
@@ -145,8 +147,8 @@ class EngineOptions:
             raise bad("n_ctx", "must be at least 1 token")
         if self.kv_dtype not in ("f32", "f16"):
             raise bad("kv_dtype", "must be f32 or f16")
-        if self.activations not in ("f32", "q8_0"):
-            raise bad("activations", "must be f32 or q8_0")
+        if self.activations not in ("f32", "q8_0", "q8_k"):
+            raise bad("activations", "must be f32, q8_0 or q8_k")
         if self.queue_depth < 1:
             raise bad("queue_depth", "must be >= 1")
         if self.mirror_weights is not None and (

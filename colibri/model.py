@@ -239,10 +239,11 @@ class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
     activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
-    ops.matmul_q8; float weights stay f32) or "f32" (exact). pad: every matmul and expert FFN
-    runs on rows padded to a multiple of `pad` (4: each row's result is the same in any batch;
-    1: no padding, fastest alone). dense=False loads no dense tensor: only expert_ffn works
-    (an expert owner on another machine, colibri/cluster).
+    ops.matmul_q8; float weights stay f32), "q8_k" (as q8_0, but experts whose gate, up and
+    down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations) or "f32" (exact).
+    pad: every matmul and expert FFN runs on rows padded to a multiple of `pad` (4: each
+    row's result is the same in any batch; 1: no padding, fastest alone). dense=False loads no
+    dense tensor: only expert_ffn works (an expert owner on another machine, colibri/cluster).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
@@ -256,9 +257,10 @@ class Model:
         dense: bool = True,
     ):
         self.store, self.spec, self.nthreads, self.pad = store, spec, nthreads, pad
-        if activations not in ("f32", "q8_0"):
-            raise ValueError(f"activations={activations!r}: must be f32 or q8_0")
-        self.act_q8 = activations == "q8_0"
+        if activations not in ("f32", "q8_0", "q8_k"):
+            raise ValueError(f"activations={activations!r}: must be f32, q8_0 or q8_k")
+        self.act_q8 = activations in ("q8_0", "q8_k")
+        self.act_q8k = activations == "q8_k"
         # Gated DeltaNet prefill of >= GDR_CHUNK tokens in the chunked form (numpy) instead of
         # the recurrent C kernel; off: on the real Qwen3.5 shape the kernel is ~3x faster
         # (0.4 vs 1.3 ms per token and layer at 256 tokens, one thread). Same results.
@@ -951,6 +953,12 @@ class Model:
             x = x * np.asarray(weights, dtype=np.float32)[:, None]
             weights = np.ones(len(rows), dtype=np.float32)
         m_rows = len(rows)
+        q8k = (
+            self.act_q8k
+            and all(q in ops.Q8K_ACT_TYPES for q in qts)
+            and self.spec.d_model % 256 == 0
+            and self.d_ff % 256 == 0
+        )
         if m_rows % self.pad and not (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)):
             x = pad_rows(np.ascontiguousarray(x), self.pad)
             weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
@@ -959,6 +967,14 @@ class Model:
             n: part[n].view(np.float32) if n in part else None
             for n in ("gate_bias", "up_bias", "down_bias")
         }
+        if q8k:  # the K-quant GEMM on Q8_K activations (activations="q8_k")
+            return ops.expert_ffn_q8k(
+                y, np.ascontiguousarray(x), part["gate"], part["up"], part["down"], qts,
+                self.spec.d_model, self.d_ff, act=m.act, gate_bias=bias["gate_bias"],
+                up_bias=bias["up_bias"], down_bias=bias["down_bias"],
+                row_weight=np.ascontiguousarray(weights, dtype=np.float32), accumulate=False,
+                alpha=m.alpha, limit=m.limit, nthreads=self.nthreads,
+            )[:m_rows]  # fmt: skip
         ops.expert_ffn(
             y,
             np.ascontiguousarray(x),

@@ -196,3 +196,46 @@ def test_expert_ffn_q8k_matches_reference_and_is_batch_invariant(types):
             )
     with pytest.raises(KernelError, match="must be Q4_K, Q5_K or Q6_K"):
         ops.expert_ffn_q8k(np.empty_like(x), x, g, u, d, ("q4_k", "q4_0", "q6_k"), d_model, d_ff)
+
+
+def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
+    """activations="q8_k": a Q4_K-expert store routes its experts through expert_ffn_q8k (and
+    activations="q8_0" does not), and its logits (an 8-token prefill, then decode steps,
+    teacher-forced) stay within the KL bound of test_convert_quantized's q4_k case from the f32
+    store's."""
+    import asyncio
+
+    pytest.importorskip("torch")
+    from colibri.convert import convert
+    from colibri.engine import open_engine
+    from tests import hf_models
+
+    model = hf_models.build("mixtral", seed=17, hidden_size=256, intermediate_size=256)
+    src = hf_models.save(model, tmp_path / "hf")
+    ids = hf_models.greedy(model, list(range(3, 19)), 16)
+    calls = []
+    real = ops.expert_ffn_q8k
+    monkeypatch.setattr(ops, "expert_ffn_q8k", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def forced(store, activations):
+        async def run():
+            async with open_engine(store, activations=activations) as engine:
+                seq = engine.new_sequence()
+                out = [await engine.forward(seq, ids[:8])]  # a prefill, then decode steps
+                for t in ids[8:-1]:
+                    out.append(await engine.forward(seq, [t]))
+                return np.concatenate([np.atleast_2d(o) for o in out])
+
+        return asyncio.run(run()).astype(np.float64)
+
+    f32 = forced(convert(src, tmp_path / "f32", quant="f32", dense_quant="f32"), "f32")
+    store = convert(src, tmp_path / "k", quant="q4_k", dense_quant="q8_0")
+    kl = {}
+    for mode in ("q8_0", "q8_k"):
+        calls.clear()
+        q = forced(store, mode)
+        assert bool(calls) == (mode == "q8_k")
+        logp = f32 - np.logaddexp.reduce(f32, axis=1, keepdims=True)
+        logq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
+        kl[mode] = float((np.exp(logp) * (logp - logq)).sum(axis=1).mean())
+    assert kl["q8_k"] < 0.15, kl

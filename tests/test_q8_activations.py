@@ -233,5 +233,5 @@ def test_engine_option_validated():
     from colibri.engine import EngineOptions
     from colibri.errors import ColibriError
 
-    with pytest.raises(ColibriError, match="option activations='q4_0': must be f32 or q8_0"):
+    with pytest.raises(ColibriError, match="option activations='q4_0': must be f32, q8_0 or q8_k"):
         EngineOptions(activations="q4_0")

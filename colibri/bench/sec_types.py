@@ -5,11 +5,12 @@ One synthetic Mixtral-8x7B-shaped store per expert type (tools/synth_store.py: r
 shapes, fewer layers, valid random blocks of the type; dense tensors Q8_0 for every store),
 exported to GGUF with its own blocks (colibri export-gguf), so both engines multiply identical
 bytes: Q4_0, Q4_K (the bulk of a Q4_K_M), Q6_K, MXFP4, and FP8, which GGUF has no type for
-(export-gguf would write it as f32), so FP8 runs colibri alone. Per type: colibri in a child
-process (sec_llama's: budget >= the store, every expert loaded first, Q8_0 activations,
-then a timed prefill and greedy decode) and llama-bench (pp / tg), rounds interleaved over all
-runs. The decode bound is each store's weight bytes read per token at the memory bandwidth the
-limits section measured.
+(export-gguf would write it as f32), so FP8 runs colibri alone. Q4_K and Q6_K also run with
+--activations q8_k (the K-quant GEMM on Q8_K activations, llama.cpp's K-quant path). Per
+type: colibri in a child process (sec_llama's: budget >= the store, every expert loaded
+first, Q8_0 activations, then a timed prefill and greedy decode) and llama-bench (pp / tg),
+rounds interleaved over all runs. The decode bound is each store's weight bytes read per token
+at the memory bandwidth the limits section measured.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ TITLE = "Decode and prefill per expert type, colibri vs llama.cpp"
 MODEL = "mixtral-8x7b"
 TYPES = ("q4_0", "q4_k", "q6_k", "mxfp4", "fp8")
 NO_GGUF = {"fp8": "GGUF has no FP8 type"}
+Q8K_TYPES = ("q4_k", "q6_k")  # also run with --activations q8_k (the K-quant GEMM)
 # bytes per weight of each expert type (block bytes / weights), for the disk estimate
 BYTES_PER_WEIGHT = {
     "q4_0": 18 / 32,
@@ -108,30 +110,39 @@ def run(ctx: Context) -> Section:
         figures[quant] = sf | {"store": str(store), "gguf": str(gguf) if gguf else None}
         raw[quant] = {}
 
-        def col(quant: str = quant, store: Path = store, sf: dict[str, Any] = sf) -> float:
-            args = [
-                str(store),
-                "--budget",
-                str(sf["store_nbytes"]),
-                "--threads",
-                str(ctx.threads),
-                "--n-ctx",
-                str(n_prompt + n_gen + 8),
-                "--n-prompt",
-                str(n_prompt),
-                "--n-gen",
-                str(n_gen),
-                "--warm",
-                "--activations",
-                "q8_0",
-            ]
-            r = run_colibri(ctx, args)
-            raw[quant].setdefault("colibri", []).append(r)
-            if r["returncode"]:
-                raise RuntimeError(f"colibri child failed on {quant}: {r['error']}")
-            return r["tg_tok_s"]
+        for act in ("q8_0", "q8_k") if quant in Q8K_TYPES else ("q8_0",):
+            eng = "colibri" if act == "q8_0" else f"colibri {act}"
 
-        runs[f"colibri {quant}"] = col
+            def col(
+                quant: str = quant,
+                store: Path = store,
+                sf: dict[str, Any] = sf,
+                act: str = act,
+                eng: str = eng,
+            ) -> float:
+                args = [
+                    str(store),
+                    "--budget",
+                    str(sf["store_nbytes"]),
+                    "--threads",
+                    str(ctx.threads),
+                    "--n-ctx",
+                    str(n_prompt + n_gen + 8),
+                    "--n-prompt",
+                    str(n_prompt),
+                    "--n-gen",
+                    str(n_gen),
+                    "--warm",
+                    "--activations",
+                    act,
+                ]
+                r = run_colibri(ctx, args)
+                raw[quant].setdefault(eng, []).append(r)
+                if r["returncode"]:
+                    raise RuntimeError(f"colibri child failed on {quant} ({act}): {r['error']}")
+                return r["tg_tok_s"]
+
+            runs[f"{eng} {quant}"] = col
         if gguf is not None:
 
             def llama(quant: str = quant, gguf: Path = gguf) -> float:
@@ -158,19 +169,15 @@ def run(ctx: Context) -> Section:
         data["types"][quant] = figures[quant] | {"runs": by, "medians": med, "bound_tok_s": bound}
         ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "—"  # noqa: E731
         peer_note = NO_GGUF.get(quant, "" if bindir else "llama.cpp not built")
-        rows.append(
-            [
-                quant,
-                f"{sf['active_bytes_per_token'] / 1e6:.0f}",
-                c.get("tg"),
-                p.get("tg") if p else peer_note,
-                ratio(c.get("tg"), p.get("tg")),
-                c.get("pp"),
-                p.get("pp") if p else peer_note,
-                ratio(c.get("pp"), p.get("pp")),
-                f"{c['tg'] / bound:.0%}" if bound and c.get("tg") else "—",
-            ]
-        )
+        for eng in [e for e in ("colibri", "colibri q8_k") if e in med]:
+            ce = med[eng]
+            rows.append([
+                quant if eng == "colibri" else f"{quant}, --activations q8_k",
+                f"{sf['active_bytes_per_token'] / 1e6:.0f}", ce.get("tg"),
+                p.get("tg") if p else peer_note, ratio(ce.get("tg"), p.get("tg")),
+                ce.get("pp"), p.get("pp") if p else peer_note, ratio(ce.get("pp"), p.get("pp")),
+                f"{ce['tg'] / bound:.0%}" if bound and ce.get("tg") else "—",
+            ])  # fmt: skip
         heads.append(
             Headline(
                 f"Decode in RAM, {quant} experts",
@@ -187,7 +194,8 @@ def run(ctx: Context) -> Section:
         f"tensors Q8_0; the GGUF of each holds the same blocks (llama.cpp's K-quant / MXFP4 "
         f"repacking for its CPU kernels is its default and stays on). {ctx.threads} threads for "
         f"both engines. llama.cpp: `llama-bench -p {n_prompt} -n {n_gen} -r {reps}`; colibri: "
-        f"budget >= the store, every expert loaded first, Q8_0 activations, a {n_prompt}-token "
+        f"budget >= the store, every expert loaded first, Q8_0 activations (Q8_K for the "
+        f"experts where the row says q8_k), a {n_prompt}-token "
         f"prefill and {n_gen} greedy decode steps timed separately. Medians of {ctx.rounds} "
         f"rounds interleaved over every run. Bound: MB of weights read per token at "
         f"{fmt(mem_gbps)} GB/s.",
