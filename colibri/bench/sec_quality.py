@@ -317,8 +317,14 @@ def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) 
         check=False,
         timeout=1800,
     )
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
-    return float(m.group(1)) if m else None
+    out = res.stdout + res.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    if m:
+        return float(m.group(1))
+    # llama.cpp's log thread can interleave that line with others: the running PPL after the
+    # last window ("[8]335.8626,") is the same figure
+    running = re.findall(rf"\[{windows}\]([0-9.]+)", out)
+    return float(running[-1]) if running else None
 
 
 def _llama_cell(r: dict[str, Any]) -> str:
