@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("colibri.doctor", "why a run is slow: io_uring, O_DIRECT, huge pages, memory, disk"),
     "tune": ("colibri.tune", "measure disk, memory and threads once; save the machine profile"),
     "mirror": ("colibri.io.mirror", "copy a store's experts file to another drive, verified"),
+    "shard": ("colibri.cluster.shard", "split a store's experts into per-node stores (--cluster)"),
 }
 
 

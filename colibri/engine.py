@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.io.cache import POLICIES
 from colibri.io.format import Store, open_store
 from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
@@ -95,7 +96,8 @@ def default_budget(store: Store, dense_nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """budget: expert cache bytes (None: default_budget). policy: "lru" | "lfu" | "lfru".
+    """budget: expert cache bytes (None: default_budget). policy: "nextuse" (default: the
+    estimated-farthest-next-use policy, colibri.io.cache.NextUsePolicy) | "lru" | "lfu" | "lfru".
     prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
     each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_0" (default:
@@ -104,7 +106,7 @@ class EngineOptions:
     (exact f32 activations); float weights always keep f32."""
 
     budget: int | None = None
-    policy: str = "lru"
+    policy: str = "nextuse"
     prefetch: bool = True
     io: str = "auto"
     threads: int = 0
@@ -121,6 +123,11 @@ class EngineOptions:
     max_running: int = 8  # sequences decoded together by stream() (continuous batching)
     prefix_cache: int = 0  # bytes of prompt-prefix KV kept for reuse (0: off)
     batch: str = "split"  # how a batch's rows meet the kernels: "split" | "fused"
+    # a Ray address ("auto": the running cluster): routed experts run on expert owners, one
+    # per node (colibri/cluster); budget is then each owner's expert cache bytes
+    cluster: str | None = None
+    owners_per_node: int = 1
+    shard_map: str | None = None  # a shard map file (colibri shard): owners and their stores
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -128,8 +135,8 @@ class EngineOptions:
 
         if self.budget is not None and self.budget <= 0:
             raise bad("budget", "must be a positive number of bytes")
-        if self.policy not in ("lru", "lfu", "lfru"):
-            raise bad("policy", "must be lru, lfu or lfru")
+        if self.policy not in POLICIES:
+            raise bad("policy", f"must be one of {', '.join(POLICIES)}")
         if self.io not in ("auto", "uring", "threads", "mmap"):
             raise bad("io", "must be auto, uring, threads or mmap")
         if self.threads < 0:
@@ -155,6 +162,10 @@ class EngineOptions:
             raise bad("batch", "must be split or fused")
         if self.prefix_cache < 0:
             raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
+        if self.owners_per_node < 1:
+            raise bad("owners_per_node", "must be >= 1")
+        if self.shard_map is not None and self.cluster is None:
+            raise bad("shard_map", "needs a cluster (--cluster)")
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,8 @@ class EngineStatistics:
     cache_budget_nbytes: expert cache bytes holding records / allowed; prefix_nbytes: KV bytes
     held by the prefix cache. hit_rate: expert_hits / gets (1.0 when there were none).
     cache, prefetch, reader, slab: the components' own records (not subtracted by delta).
+    cluster: with --cluster, colibri.cluster.client.ClusterStatistics (per-owner latency,
+    bytes on the wire); the expert counters are then the owners' sums.
     """
 
     expert_hits: int
@@ -199,6 +212,7 @@ class EngineStatistics:
     prefetch: Any = None
     reader: Any = None
     slab: Any = None
+    cluster: Any = None
 
     COUNTERS = (
         "expert_hits",
@@ -305,6 +319,9 @@ class Engine:
             )
         # more than every record is never used: a budget above that does not reserve memory
         budget = min(budget, max(minimum, len(store.records) * (-(-record_nbytes // 4096) * 4096)))
+        owner_budget = options.budget
+        if options.cluster is not None:
+            budget = minimum  # the routed experts live on the owners; this cache stays unused
         try:
             self.io = open_expert_cache(
                 store,
@@ -313,7 +330,7 @@ class Engine:
                 policy=options.policy,
                 queue_depth=options.queue_depth,
                 verify=options.verify,
-                prefetch=options.prefetch,
+                prefetch=options.prefetch and options.cluster is None,
                 mirrors=options.mirrors,
                 mirror_weights=options.mirror_weights,
             )
@@ -327,6 +344,15 @@ class Engine:
         self.pool, self.reader, self.cache = self.io.pool, self.io.reader, self.io.cache
         self.prefetcher = self.io.prefetcher
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
+        self.cluster: Any = None
+        if options.cluster is not None:
+            try:
+                self.cluster = self._open_cluster(owner_budget)
+            except BaseException:
+                self.pipeline.close()
+                self.io.close_pool()
+                raise
+            self.pipeline.experts = self.cluster
         if options.trace:
             from colibri.io.trace import RoutingTraceWriter
 
@@ -349,6 +375,35 @@ class Engine:
         )
         self.prefix_cache = PrefixCache(options.prefix_cache) if options.prefix_cache else None
         self.scheduler = Scheduler(self, options.max_running, self.prefill_chunk)
+
+    def _open_cluster(self, budget: int | None) -> Any:
+        """The expert owners on the Ray cluster of options.cluster (colibri/cluster)."""
+        from colibri.cluster.client import open_cluster_experts
+        from colibri.cluster.placement import load_shard_map
+
+        o = self.options
+        shard = nodes = hosts = None
+        if o.shard_map is not None:
+            shard, nodes, hosts = load_shard_map(
+                o.shard_map, len(self.spec.layers), self.store.num_experts
+            )
+        return open_cluster_experts(
+            o.cluster,
+            self.store,
+            owners_per_node=o.owners_per_node,
+            shard=shard,
+            node_stores=nodes,
+            hosts=hosts,
+            budget=budget,
+            threads=o.threads,
+            activations=o.activations,
+            pad=self.model.pad,
+            io=o.io,
+            policy=o.policy,
+            verify=o.verify,
+            prefetch=o.prefetch,
+            queue_depth=o.queue_depth,
+        )
 
     def _check_kv_fits(self, n_ctx: int) -> None:
         """ColibriError when one sequence's KV cache of n_ctx tokens exceeds the memory
@@ -614,6 +669,8 @@ class Engine:
         slab): the cache's record measures resident memory page by page, too slow to take
         on every request of a big pool."""
         c = self.cache.counts()
+        if self.cluster is not None:
+            c = {**c, **self.cluster.counts()}
         t = self.pipeline.times
         return EngineStatistics(
             expert_hits=c["hits"],
@@ -640,6 +697,7 @@ class Engine:
             prefetch=self.prefetcher.statistics() if components and self.prefetcher else None,
             reader=self.reader.statistics() if components else None,
             slab=self.pool.statistics() if components else None,
+            cluster=self.cluster.statistics() if self.cluster is not None else None,
         )
 
     async def aclose(self) -> None:
@@ -658,8 +716,12 @@ class Engine:
                 self.pipeline.tracer.save(self.options.trace)  # TraceError names the file
         finally:
             self.pipeline.close()
-            await self.io.aclose()
-            self.io.close_pool()
+            try:
+                if self.cluster is not None:
+                    await self.cluster.aclose()
+            finally:
+                await self.io.aclose()
+                self.io.close_pool()
 
 
 def _times(pipeline: Pipeline) -> tuple[float, float]:

@@ -14,7 +14,18 @@ converter (convert_hf_to_gguf.py):
   `head_dim` rows, new row 2i is old row i and new row 2i+1 is old row i + head_dim/2. A
   block-quantized row is a whole number of blocks, so the permutation moves quantized rows
   unchanged.
-- Qwen3-MoE -> arch "qwen3moe" (NeoX RoPE: no permutation; `expert_feed_forward_length`).
+- Qwen3-MoE -> arch "qwen3moe" (NeoX RoPE: no permutation; `expert_feed_forward_length`);
+  Qwen2-MoE -> "qwen2moe", OLMoE -> "olmoe", MiniMax-M2 -> "minimax-m2", GLM-4.5 MoE ->
+  "glm4moe" (leading dense layers, shared expert, partial rotary dims), gpt-oss -> "gpt-oss"
+  (sinks, expert biases `ffn_*_exps.bias`, sliding window on even layers). Each family's
+  GGUFArch (models/<model_type>.py) says which keys its arch reads.
+- MLA (DeepSeek-V2/V3, Kimi K2 / K2.5, GLM-4.7-Flash) -> "deepseek2" as llama.cpp runs it
+  without absorption: `attn_kv_b` whole, keys/values expanded per head (key_length =
+  qk_nope + qk_rope, value_length = v_head_dim, head_count_kv = head_count); llama.cpp's own
+  converter splits kv_b into attn_k_b (transposed) / attn_v_b for its absorbed path, which
+  would change the stored bytes. DeepSeek's interleaved RoPE is GGML's normal mode as is.
+- YaRN: rope.scaling.{type, factor, original_context_length, yarn_beta_fast/slow}, for
+  deepseek2 yarn_log_multiplier = 0.1 * mscale_all_dim (convert_hf_to_gguf's convention).
 
 GGML lists dimensions fastest first: the logical [E, d_ff, d_model] of a stacked gate tensor
 is ne = {d_model, d_ff, E}; gguf.GGUFWriter takes numpy order and reverses it.
@@ -165,12 +176,30 @@ def _add_rope_scaling(w: Any, config: dict[str, Any], mla: bool) -> None:
         )
 
 
+# families without a GGUFArch: why (what llama.cpp has for them)
+NOT_EXPORTED: dict[str, str] = {
+    "qwen3_next": "llama.cpp's qwen3next reorders and reshapes the Gated DeltaNet tensors "
+    "(ssm_*), which this exporter does not do yet",
+    "qwen3_5_moe": "llama.cpp's qwen35moe reorders and reshapes the Gated DeltaNet tensors "
+    "(ssm_*), which this exporter does not do yet",
+    "llama4": "llama.cpp's llama4 (no-RoPE layers, chunked attention, interleaved MoE) is not "
+    "mapped by this exporter yet",
+    "llama4_text": "llama.cpp's llama4 (no-RoPE layers, chunked attention, interleaved MoE) is "
+    "not mapped by this exporter yet",
+    "deepseek_v32": "llama.cpp runs it as deepseek32, an architecture the installed gguf package "
+    "cannot write",
+    "glm_moe_dsa": "llama.cpp's glm-dsa (the DSA indexer tensors) is not mapped by this exporter "
+    "yet",
+}
+
+
 def _arch(store: Store) -> GGUFArch:
     fam = FAMILIES.get(store.model_type)
     if fam is None or fam.gguf is None:
+        why = NOT_EXPORTED.get(store.model_type, "llama.cpp has no architecture for it")
         raise ConversionError(
-            f"{store.path}: model_type {store.model_type!r} has no GGUF export "
-            f"(supported: {', '.join(ARCHS)})"
+            f"{store.path}: model_type {store.model_type!r} has no GGUF export: {why} "
+            f"(exported: {', '.join(ARCHS)})"
         )
     return fam.gguf
 

@@ -241,7 +241,8 @@ class Model:
     activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
     ops.matmul_q8; float weights stay f32) or "f32" (exact). pad: every matmul and expert FFN
     runs on rows padded to a multiple of `pad` (4: each row's result is the same in any batch;
-    1: no padding, fastest alone).
+    1: no padding, fastest alone). dense=False loads no dense tensor: only expert_ffn works
+    (an expert owner on another machine, colibri/cluster).
     Raises StoreError when a tensor the spec names is missing or has the wrong shape.
     """
 
@@ -252,6 +253,7 @@ class Model:
         nthreads: int = 0,
         activations: str = "q8_0",
         pad: int = 1,
+        dense: bool = True,
     ):
         self.store, self.spec, self.nthreads, self.pad = store, spec, nthreads, pad
         if activations not in ("f32", "q8_0"):
@@ -262,14 +264,8 @@ class Model:
         # (0.4 vs 1.3 ms per token and layer at 256 tokens, one thread). Same results.
         self.gdr_chunked = False
         self._names = set(store.dense_names())
-        self.embed_w, self.embed_qtype = self._raw(
-            f"{spec.embed}.weight", (spec.vocab_size, spec.d_model)
-        )
-        self.final_norm = self._vector(f"{spec.final_norm}.weight", spec.d_model)
-        if spec.norm_offset:
-            self.final_norm = self.final_norm + np.float32(spec.norm_offset)
-        self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
-        self.layers = [self._load_layer(layer) for layer in spec.layers]
+        if dense:
+            self._load_dense()
         layout = store.layout
         self.d_ff = layout.d_ff
         # per layer (None = the default layout): tensor spans, (gate, up, down) types, act_q8
@@ -280,6 +276,17 @@ class Model:
         self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
 
     # ---- loading -------------------------------------------------------------------------
+    def _load_dense(self) -> None:
+        spec = self.spec
+        self.embed_w, self.embed_qtype = self._raw(
+            f"{spec.embed}.weight", (spec.vocab_size, spec.d_model)
+        )
+        self.final_norm = self._vector(f"{spec.final_norm}.weight", spec.d_model)
+        if spec.norm_offset:
+            self.final_norm = self.final_norm + np.float32(spec.norm_offset)
+        self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
+        self.layers = [self._load_layer(layer) for layer in spec.layers]
+
     def _expert_plan(
         self, layout: ExpertLayout
     ) -> tuple[dict[str, tuple[int, int]], tuple[QType, ...], bool]:

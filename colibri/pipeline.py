@@ -7,8 +7,12 @@ ready; shared expert or dense MLP; residual. Math runs in a one-thread executor 
 multi-threaded inside), so the event loop keeps reaping IO completions while kernels run.
 
 Results do not depend on arrival order: each expert writes its own output slot and the slots
-are summed in a fixed order, so placement (backend, budget, policy, prefetch) changes speed,
-never tokens.
+are summed in a fixed order, so placement (backend, budget, policy, prefetch, the machine
+that owns an expert) changes speed, never tokens.
+
+With an expert-FFN provider (`Pipeline.experts`, e.g. colibri/cluster's ClusterExperts), the
+routed experts run elsewhere: the layer awaits the provider's filled slots the way it awaits
+local records, computing the shared expert meanwhile, and adds them in the same order.
 """
 
 from __future__ import annotations
@@ -91,6 +95,12 @@ class Pipeline:
         self.route_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
+        # experts: a provider of the routed experts' outputs computed elsewhere, or None (they
+        # come from `cache` and run here). It has `prefetch` (bool: wants the next layer's
+        # prediction) and `async ffn(layer, routed, predicted) -> slots`: routed as below,
+        # predicted (next MoE layer, [expert ids]) or None; returns per entry of routed the
+        # f32 [n, top_k, d_model] weighted outputs, slot [t, j] from expert ids[t, j]
+        self.experts: Any = None
 
     def close(self) -> None:
         if self._own_executor:
@@ -195,11 +205,14 @@ class Pipeline:
                     np.concatenate([ids for _, ids, _ in routed]),
                 )
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
-            self.cache.request(i, experts)  # misses go to disk now, as one batch
             records += len(experts)
-            if self.prefetcher is not None and state.predicted is not None:
-                self.prefetcher.predict(*state.predicted)
-            state = await self._moe(i, step, routed, experts)
+            if self.experts is not None:
+                state = await self._moe_elsewhere(i, step, routed, state.predicted)
+            else:
+                self.cache.request(i, experts)  # misses go to disk now, as one batch
+                if self.prefetcher is not None and state.predicted is not None:
+                    self.prefetcher.predict(*state.predicted)
+                state = await self._moe(i, step, routed, experts)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
@@ -304,7 +317,8 @@ class Pipeline:
         one (h, ids, weights) entry for the whole batch."""
         m = self.model
         nxt = None
-        if self.prefetcher is not None and self.prefetcher.enabled:
+        elsewhere = self.experts is not None and self.experts.prefetch
+        if elsewhere or (self.prefetcher is not None and self.prefetcher.enabled):
             nxt = next((j for j in self._moe_layers if j > i), None)
         m.attention_batch(i, xs, kvs, pos0)  # projections stacked where row-invariant
         if stacked is not None:
@@ -398,6 +412,31 @@ class Pipeline:
             for r in await asyncio.gather(*rest, return_exceptions=True):
                 if isinstance(r, tuple):
                     r[1].release()
+
+    async def _moe_elsewhere(
+        self,
+        i: int,
+        step: _Step,
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        predicted: tuple[int, list[int]] | None,
+    ) -> _Routed | list[np.ndarray]:
+        """As _moe, the routed experts computed by `self.experts` (on other machines): the
+        shared expert runs here while their outputs travel; then the same slot-order sums and
+        _head(i + 1) in the last trip, whose result it returns."""
+        xs = step.xs if step.stacked is None else [step.stacked]
+        call = asyncio.ensure_future(self.experts.ffn(i, routed, predicted))
+        try:
+            await self._run(self._expert_step, i, [], xs, routed, [], True, None)
+            t0 = time.perf_counter()
+            slots = await call
+            self.times.wait_io += time.perf_counter() - t0
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        result = await self._run(self._expert_step, i, [], xs, routed, slots, False, step)
+        self.times.experts += len(np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])))
+        return result
 
     def _expert_step(
         self,

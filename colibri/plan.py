@@ -25,7 +25,7 @@ from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, available_memory, default_budget
 from colibri.errors import ColibriError
-from colibri.io.cache import ExpertCache, hot_set, load_usage
+from colibri.io.cache import POLICIES, ExpertCache, hot_set, load_usage
 from colibri.io.format import BLOCK_QTYPES, Store, open_store, tensor_nbytes
 from colibri.machine import (
     MachineProfile,
@@ -77,7 +77,7 @@ def kv_nbytes(store: Store, n_ctx: int, kv_dtype: str) -> int:
 
 
 def expected_hit_rate(
-    store: Store, capacity: int, policy: str = "lru", trace: str | None = None
+    store: Store, capacity: int, policy: str = "nextuse", trace: str | None = None
 ) -> tuple[float, str, str]:
     """(hit rate, source "trace" | "usage" | "uniform", detail) for an expert cache of
     `capacity` records. Raises ColibriError when the trace does not match the store."""
@@ -122,7 +122,7 @@ def make_plan(
     budget: int | None = None,
     n_ctx: int = DEFAULT_N_CTX,
     kv_dtype: str = "f32",
-    policy: str = "lru",
+    policy: str = "nextuse",
     trace: str | None = None,
     profile: MachineProfile | None = None,
     measure: bool = True,
@@ -316,7 +316,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ctx", dest="n_ctx", type=int, default=DEFAULT_N_CTX, help="context tokens")
     p.add_argument("--kv", dest="kv_dtype", choices=("f32", "f16"), default="f32")
-    p.add_argument("--policy", choices=("lru", "lfu", "lfru", "belady"), default="lru")
+    p.add_argument("--policy", choices=(*POLICIES, "belady"), default="nextuse")
     p.add_argument("--trace", metavar="FILE", help="routing trace (.npz or Mixtral .jsonl)")
     p.add_argument(
         "--mirror",
@@ -324,6 +324,25 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help="a mirror of the store (repeatable): its drive adds to the disk figure",
+    )
+    p.add_argument(
+        "--cluster",
+        metavar="NODES|ADDRESS",
+        help="also plan experts sharded over NODES machines like this one (or the alive "
+        "nodes of the Ray cluster at ADDRESS): placement and the network-bound tok/s",
+    )
+    p.add_argument(
+        "--network-gbit",
+        type=float,
+        default=25.0,
+        help="--cluster: the coordinator's link, Gbit/s (default 25)",
+    )
+    p.add_argument(
+        "--call-ms",
+        type=float,
+        default=1.0,
+        help="--cluster: per-layer round trip of a call, ms (default 1; `colibri bench "
+        "--sections cluster` measures it)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--no-profile", action="store_true", help="ignore the machine profile")
@@ -350,9 +369,53 @@ def run_cli(args: argparse.Namespace) -> int:
         measure=not args.no_measure,
         mirrors=args.mirror,
     )
+    if args.cluster:
+        plan["cluster"] = _cluster(args, store, plan)
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         print()
     else:
         print(format_plan(plan))
+        if args.cluster:
+            from colibri.cluster.plan import format_cluster_plan
+
+            print(format_cluster_plan(plan["cluster"]))
     return 1 if plan["warnings"] else 0
+
+
+def _cluster(args: argparse.Namespace, store: Store, plan: dict[str, Any]) -> dict[str, Any]:
+    """plan["cluster"]: colibri/cluster/plan.py's placement and bounds for --cluster."""
+    from colibri.cluster.plan import cluster_plan
+
+    if args.cluster.isdigit():
+        nodes = int(args.cluster)
+    else:
+        try:
+            import ray
+        except ImportError:
+            raise ColibriError(
+                f"--cluster {args.cluster}: reading a Ray cluster needs Ray: pip install "
+                "'colibri[cluster]' (or give a number of nodes)"
+            ) from None
+        ray.init(address=args.cluster, log_to_driver=False, logging_level="ERROR")
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        ray.shutdown()
+    if nodes < 1:
+        raise ColibriError(f"--cluster {args.cluster}: needs at least one node")
+    if args.network_gbit <= 0 or args.call_ms < 0:
+        raise ColibriError("--network-gbit must be > 0 and --call-ms >= 0")
+    b, m = plan["bandwidth"], plan["memory"]
+    if not b["memory_read_gbps"] or (not b["disk_gbps"] and plan["per_token"]["read_nbytes"]):
+        raise ColibriError("--cluster: no disk or memory figure (run `colibri tune`)")
+    return cluster_plan(
+        store,
+        nodes,
+        budget=m["budget_nbytes"],
+        disk_gbps=b["disk_gbps"] or 1.0,
+        memory_gbps=b["memory_read_gbps"],
+        dense_touched_nbytes=plan["per_token"]["touched_nbytes"]
+        - plan["per_token"]["expert_nbytes"],
+        network_gbit=args.network_gbit,
+        call_ms=args.call_ms,
+        usage=load_usage(store.path / "usage.json"),
+    )

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
-from colibri.errors import TokenizerError
+from colibri.errors import ColibriError, TokenizerError
+from colibri.io.cache import POLICIES
 from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
@@ -59,9 +60,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--policy",
-        choices=("lru", "lfu", "lfru"),
-        default="lru",
-        help="expert cache eviction policy (default lru)",
+        choices=POLICIES,
+        default="nextuse",
+        help="expert cache eviction policy (default nextuse: evict the record whose next use is "
+        "estimated farthest, from the layer cycle and routing frequencies)",
     )
     g.add_argument(
         "--no-prefetch",
@@ -114,6 +116,28 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "activations",
     )
     add_machine_options(g)
+    c = p.add_argument_group("cluster (Ray; pip install 'colibri[cluster]')")
+    c.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        default=None,
+        help="run the routed experts on expert owners of this Ray cluster (auto: the running "
+        "one; host:port); this process keeps attention, routing, the KV cache and sampling; "
+        "--budget is then each owner's expert cache",
+    )
+    c.add_argument(
+        "--owners-per-node",
+        type=int,
+        default=1,
+        help="expert owners (Ray actors) started on each node (default 1)",
+    )
+    c.add_argument(
+        "--shard-map",
+        metavar="FILE",
+        default=None,
+        help="which owner holds each expert and where its store is (`colibri shard` writes "
+        "it; default: balanced over the nodes, each reading STORE at the same path)",
+    )
 
 
 def add_machine_options(g: Any) -> None:
@@ -222,6 +246,12 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["queue_depth"] = args.queue_depth
     if getattr(args, "mirror", None):
         opts["mirrors"] = tuple(args.mirror)
+    if getattr(args, "cluster", None):
+        opts["cluster"] = args.cluster
+        opts["owners_per_node"] = args.owners_per_node
+        opts["shard_map"] = args.shard_map
+    elif getattr(args, "shard_map", None):
+        raise ColibriError("--shard-map needs --cluster ADDRESS")
     return opts
 
 
@@ -271,6 +301,24 @@ def mirror_line(engine: Engine) -> str:
         for d in drives()
     ]
     return f"[mirror: {'; '.join(parts)}; {engine.reader.failovers} failovers]"
+
+
+def cluster_line(engine: Engine) -> str:
+    """Per-owner latency and bytes on the wire with --cluster ("" without)."""
+    st = engine.statistics(components=False).cluster
+    if st is None:
+        return ""
+    parts = [
+        f"owner {o.index} @ {o.node}: {o.records} experts, {o.calls} calls, {o.mean_ms:.2f} ms "
+        f"mean (max {o.max_ms:.1f}), busy {o.busy_ms:.2f} ms, {o.errors} errors, "
+        f"{o.restarts} restarts"
+        for o in st.owners
+    ]
+    wire = _mib(st.bytes_sent + st.bytes_received)
+    return (
+        f"[cluster: {st.layer_calls} layer calls, round trip {st.round_trip_ms:.2f} ms, "
+        f"overhead {st.overhead_ms:.2f} ms, {wire} on the wire; {'; '.join(parts)}]"
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -354,8 +402,9 @@ async def _run(args: argparse.Namespace) -> int:
         _say_backend(engine, args.io)
         echo = prompt if isinstance(prompt, str) else ""
         await _print_stream(engine, prompt, _sampling(args), echo, profile)
-        if line := mirror_line(engine):
-            print(line, file=sys.stderr)
+        for line in (mirror_line(engine), cluster_line(engine)):
+            if line:
+                print(line, file=sys.stderr)
     return 0
 
 

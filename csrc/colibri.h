@@ -182,3 +182,25 @@ int clb_mla_values(int qtype, float *out, const void *kv_b, const float *lat, in
                    int nthreads);
 int clb_mla_values_q8(int qtype, float *out, const void *kv_b, const void *xq, int64_t n,
                       int64_t n_heads, int64_t nope, int64_t dv, int64_t rank, int nthreads);
+
+/* ---- K-quant GEMM on Q8_K activations (kquants_gemm.c, arch/kquants_gemm.inc) -------------
+ * xq: n rows of clb_q8k_row_nbytes(cols) bytes of ggml's block_q8_K (per 256 values f32 d,
+ * 256 int8, 16 int16 sums of 16), from clb_quantize_q8_k (= ggml's quantize_row_q8_K_ref).
+ * clb_matmul_q8k: y[n, rows] = xq[n, cols] @ W[rows, cols]^T for W in Q4_K, Q5_K or Q6_K (else
+ * CLB_EQTYPE): per 256-weight block the exact int32 sums of ggml's vec_dot_q*_K_q8_K, then
+ * acc = fma(sumi, d_w d_x, acc) (and fma(-summ, dmin_w d_x, acc)) in block order, the same
+ * bits at every ISA level, tile and batch size (kquants_gemm.h). cols a multiple of 256. */
+int64_t clb_q8k_row_nbytes(int64_t ncols);
+int clb_quantize_q8_k(void *out, const float *x, int64_t nrows, int64_t ncols);
+int clb_matmul_q8k(int qtype, float *y, const void *w, const void *xq, int64_t rows,
+                   int64_t cols, int64_t n, int nthreads);
+int clb_q8k_supported(int qtype);
+/* The fused expert FFN (as clb_expert_ffn, same arguments but qscratch) with gate, up and down
+ * in Q4_K / Q5_K / Q6_K on Q8_K activations: x and h quantized to Q8_K (its own scratch; NaN in
+ * y if that allocation fails), the three products by clb_matmul_q8k's GEMM. d_model and d_ff
+ * multiples of 256. */
+int clb_expert_ffn_q8k(int gate_qtype, int up_qtype, int down_qtype, float *y, float *scratch,
+                       const float *x, const void *gate, const void *up, const void *down,
+                       const float *gate_bias, const float *up_bias, const float *down_bias,
+                       const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                       int act, float alpha, float limit, int accumulate, int nthreads);

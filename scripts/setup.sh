@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml setup.py csrc -newer "$stamp
   # in-place builds from scripts/dev-build (cpython-tagged) would shadow pip's abi3 modules
   rm -f colibri/_kernels.cpython-*.so colibri/io/_uring.cpython-*.so
   extra="[bench]"  # matplotlib for `colibri bench`
-  [ "$want" = test ] && extra="[test,bench]"
+  [ "$want" = test ] && extra="[test,bench,cluster]"  # cluster: Ray, for tests/test_cluster.py
   echo "colibri setup: installing colibri$extra into .venv (log: .venv/install.log)" >&2
   # pip's and setuptools' chatter goes to the log; shown only if the install fails
   if ! { .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip &&

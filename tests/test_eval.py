@@ -423,6 +423,58 @@ async def test_choice_reference(tiny, tmp_path):
     assert m["pred_agreement"] == pytest.approx(agree)
 
 
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "gpt_oss", "qwen3_next"])
+async def test_forked_choices_other_families(case, tmp_path):
+    """Forked KV caches on other attention kinds (MLA's latent cache, DSA's indexer keys,
+    sliding windows with sinks, Gated DeltaNet's recurrent state): every choice's
+    log-probabilities from score_items equal transformers' on the whole sequence."""
+    model = hf_models.build(case, seed=2)
+    store = convert(hf_models.save(model, tmp_path / "hf"), tmp_path / "f32", quant="f32",
+                    dense_quant="f32", show_progress=False)  # fmt: skip
+    rng = np.random.default_rng(3)
+    vocab = model.config.get_text_config().vocab_size
+    items = []
+    for n_ctx, lens in [(13, (3, 1, 4)), (6, (2, 5))]:
+        ctx = rng.integers(0, vocab, n_ctx).tolist()
+        items.append([(ctx, rng.integers(0, vocab, n).tolist()) for n in lens])
+    async with open_engine(store, activations="f32") as engine:
+        got = await scoring.score_items(engine, items)
+    for reqs, lps in zip(items, got, strict=True):
+        for (ctx, cont), lp in zip(reqs, lps, strict=True):
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + cont])).logits[0].double()
+            want = torch.log_softmax(logits, -1)[len(ctx) - 1 : -1]
+            want = want[torch.arange(len(cont)), torch.tensor(cont)].numpy()
+            np.testing.assert_allclose(lp, want, rtol=RTOL, atol=1e-6, err_msg=case)
+
+
+async def test_forward_batch_and_fork():
+    """Engine.forward_batch of forks of one prefix equals forward() of each continuation
+    after the prefix in its own sequence (split mode: bit-identical); bad input names the
+    sequence."""
+    from colibri.errors import ColibriError
+
+    async with open_engine(DEMO, n_ctx=64, batch="split") as engine:
+        prefix, conts = [1, 50, 60, 70], [[80, 90], [81], [82, 83, 84]]
+        base = engine.new_sequence()
+        await engine.forward(base, prefix)
+        forks = [base.fork() for _ in conts]
+        got = await engine.forward_batch(forks, conts, [True, False, True], [1, 0, 0])
+        for c, g, full, first in zip(conts, got, [True, False, True], [1, 0, 0], strict=True):
+            alone = engine.new_sequence()
+            await engine.forward(alone, prefix)
+            want = await engine.forward(alone, c, all_logits=full, logits_from=first)
+            assert np.array_equal(g, want)
+        assert [f.tokens for f in forks] == [prefix + c for c in conts]
+        assert base.tokens == prefix and base.length == len(prefix)  # the forks are copies
+        with pytest.raises(ColibriError, match="sequence 1: token id 99999"):
+            await engine.forward_batch([base.fork(), base.fork()], [[1], [99999]])
+        with pytest.raises(ColibriError, match="sequence 0 has no tokens"):
+            await engine.forward_batch([base.fork()], [[]])
+        with pytest.raises(ColibriError, match="sequence 0: 65 tokens exceed"):
+            await engine.forward_batch([base.fork()], [[5] * 61])
+
+
 # ---- CLI, JSON and inputs -----------------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ RUNNING = {"demo": 0.005, "mixtral-olmoe-tokenizer": 0.01}
 
 
 def _llama_perplexity() -> Path:
-    from bench import llama_cpp
+    from colibri.bench import llama_cpp
 
     try:
         exe = llama_cpp.llama_bin_dir() / "llama-perplexity"
@@ -56,7 +56,7 @@ def _q4_store(kind: str, tmp: Path) -> Path:
     from colibri.convert import convert
 
     if kind == "demo":
-        from bench.sec_quality import requantize
+        from colibri.bench.sec_quality import requantize
 
         f32 = requantize(ROOT / "colibri" / "data" / "demo", tmp / "demo-f32", "f32")
         return requantize(f32, tmp / "demo-q4_0", "q4_0")

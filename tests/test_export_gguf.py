@@ -465,11 +465,12 @@ def test_refuses_unsupported_model_type(q4_store, tmp_path):
     other = tmp_path / "s"
     shutil.copytree(q4_store, other)
     m = json.loads((other / "manifest.json").read_text())
-    m["model_type"] = "gpt_oss"
-    (other / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ConversionError, match="'gpt_oss' has no GGUF export"):
-        export_gguf(other, tmp_path / "o.gguf")
-    assert not (tmp_path / "o.gguf").exists()
+    for model_type, why in (("qwen3_next", "qwen3next reorders"), ("made_up", "no architecture")):
+        m["model_type"] = model_type
+        (other / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(ConversionError, match=f"'{model_type}' has no GGUF export: .*{why}"):
+            export_gguf(other, tmp_path / "o.gguf")
+        assert not (tmp_path / "o.gguf").exists()
 
 
 # ---- same weights, two engines: llama.cpp vs transformers ---------------------------------

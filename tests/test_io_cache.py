@@ -19,6 +19,7 @@ from colibri.io.cache import (
     LFRUPolicy,
     LFUPolicy,
     LRUPolicy,
+    NextUsePolicy,
     hot_set,
     load_usage,
     save_usage,
@@ -338,6 +339,65 @@ def test_policy_victims_match_brute_force(name):
         resident.add(key)
         pol.insert(key)
         assert len(pol) == len(resident)
+
+
+def reference_next_use(history, key, cur, layers, short=0.5, long=16.0, w=0.5):
+    """Expected distance to key's next use, from the full history: a list of visits
+    (layer, [experts used]); key's layer l is next visited d visits from now (layer order
+    in the cycle, d = len(layers) for the current one), p = w s(short) + (1 - w) s(long)
+    with s(h) = sum over l's visits used of 2^-(age/h) / sum over all of l's visits."""
+    layer = key[0]
+    mine = [ex for lay, ex in history if lay == layer]
+    v = len(mine)
+    p = 0.0
+    for h, wt in ((short, w), (long, 1 - w)):
+        used = sum(2 ** (-(v - 1 - j) / h) for j, ex in enumerate(mine) if key[1] in ex)
+        p += wt * used / sum(2 ** (-(v - 1 - j) / h) for j in range(v))
+    n = len(layers)
+    d = (layers.index(layer) - layers.index(cur)) % n or n
+    p = max(p, 1e-12)
+    return d + n * (1 - p) / p
+
+
+def test_next_use_victim_is_the_farthest_expected_next_use():
+    """NextUsePolicy's victim against the distance computed from the whole history: a cycle
+    over 4 layers, 2 of 6 experts per visit (skewed), a cache of 9 records, a random
+    resident skipped (held) now and then."""
+    rng = np.random.default_rng(7)
+    pol, resident, history, cap = NextUsePolicy(), set(), [], 9
+    layers = [0, 1, 2, 3]
+    checked = 0
+    for t in range(120):
+        for layer in layers:
+            experts = [
+                int(e) for e in rng.choice(6, 2, replace=False, p=[0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
+            ]
+            history.append((layer, experts))
+            pol.visit(layer)
+            now = {(layer, e) for e in experts}
+            for e in experts:
+                key = (layer, e)
+                pol.access(key)
+                if key in resident:
+                    continue
+                if len(resident) >= cap:
+                    held = now | (
+                        {sorted(resident)[int(rng.integers(len(resident)))]}
+                        if t % 3 == 0
+                        else set()
+                    )
+                    dist = {
+                        k: reference_next_use(history, k, layer, layers) for k in resident - held
+                    }
+                    got = pol.victim(lambda k, held=held: k in held)
+                    assert got in dist and dist[got] == pytest.approx(max(dist.values()), rel=1e-9)
+                    checked += 1
+                    pol.remove(got)
+                    resident.discard(got)
+                resident.add(key)
+                pol.insert(key)
+                assert len(pol) == len(resident)
+    assert checked > 100
 
 
 # ---- prefetcher ---------------------------------------------------------------------------

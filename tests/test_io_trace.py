@@ -97,7 +97,7 @@ def test_belady_is_optimal_and_bounds_every_policy():
         cap = 2 + trial % 2
         best = brute_force_best(tuple(seq), cap)
         assert simulate(steps, cap, "belady")[0] == best
-        for p in ("lru", "lfu", "lfru"):
+        for p in ("lru", "lfu", "lfru", "nextuse"):
             assert simulate(steps, cap, p)[0] <= best
 
 
@@ -123,9 +123,12 @@ def test_real_mixtral_offline_policies():
     reads = sum(len(s[2]) for s in steps)
     rows = offline_report(steps, [16, 64, 128, 256])
     for row in rows:
-        for p in ("lru", "lfu", "lfru"):
+        for p in ("lru", "lfu", "lfru", "nextuse"):
             assert row[p] <= row["belady"] + 1e-12
             assert 0 <= row[f"{p}/belady"] <= 1
+        # the default policy: at least as many hits as each other one at every budget
+        assert row["nextuse"] >= max(row["lru"], row["lfu"], row["lfru"])
+    assert rows[2]["nextuse/belady"] > rows[2]["lfru/belady"] + 0.03  # half the records
     assert rows[-1]["belady"] == rows[-1]["lru"] == rows[-1]["lfu"] == 1 - 256 / reads
     assert rows[0]["lru"] == 0.0  # 16 records < one token's 64 reads: LRU always thrashes
     assert rows[0]["lfu"] > 0.05 and rows[1]["belady"] > 0.5
@@ -143,7 +146,7 @@ def mixtral_store(tmp_path_factory):
 
 @needs_mixtral
 @pytest.mark.parametrize("io", ["auto", "threads"])
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "nextuse"])
 def test_online_replay_matches_offline(mixtral_store, io, policy):
     tr = load_mixtral_jsonl(MIXTRAL_JSONL)
     tokens = 40

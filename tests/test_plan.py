@@ -77,7 +77,7 @@ def test_hit_rate_equals_the_replay_simulator_on_the_same_trace(trace_file):
     steps = list(RoutingTrace.load(trace_file).steps())
     assert len(steps) == 4 * 28 - 4  # 4 prompt + 24 tokens x 4 layers; the last is not fed
     capacity = (1 << 20) // SLOT
-    hits, misses = simulate(steps, capacity, "lru")
+    hits, misses = simulate(steps, capacity, "nextuse")  # the engine's default policy
     assert p["hit_rate"]["source"] == "trace"
     assert p["hit_rate"]["value"] == pytest.approx(hits / (hits + misses), abs=0)
     assert p["memory"]["expert_cache_records"] == capacity

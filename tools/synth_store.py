@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Write a store of random weights in the exact shape of a real MoE model, for benchmarks.
 
-No float pass: weights are random GGML blocks (random nibbles / int8s) whose f16 scales are
-drawn from [5e-4, 3e-3], so every weight is finite and |w| <= 0.024 (q4) or 0.38 (q8_0).
+No float pass: weights are random blocks of the store type (random nibbles / int8s / e4m3
+bytes) whose scale fields are set to sane values (SCALES: f16 scales small enough that every
+weight is finite and |w| stays below ~0.4, the K-quants' and q4_1 / q5_1's minimums so the
+weights centre on zero, MXFP4's E8M0 exponents, FP8's f32 block scales with no NaN code).
 Records are slices of one random pool taken at random block-aligned offsets, so writing runs
 at disk speed; each record still gets its own xxh3. Real tokenizers come from
 ../shared/data/tokenizers when present.
@@ -33,10 +35,12 @@ from colibri import registry  # noqa: E402
 from colibri.convert import dense_qtype  # noqa: E402
 from colibri.io.format import (  # noqa: E402
     BLOCK_QTYPES,
+    FP8_BLOCK,
     QTYPES,
     ExpertLayout,
     StoreWriter,
     dense_dtype_shape,
+    row_nbytes,
     tensor_nbytes,
 )
 from colibri.models.spec import dense_tensors as spec_dense_tensors  # noqa: E402
@@ -275,25 +279,72 @@ def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return list(spec_dense_tensors(registry.model_spec(cfg)).items())
 
 
-class BlockPool:
-    """`nbytes` of random `qtype` blocks with small positive f16 scales (and q4_1 minimums
-    -8*d, so both q4 formats center on zero); `take(n)` returns n bytes starting at a random
-    block boundary."""
+# qtype -> the scale fields of one block: (byte offset, kind, a, b). "f16": an f16 drawn
+# uniformly in [a, b]; "min": an f16 equal to a times the block's first f16 scale d (q4_1 / q5_1
+# m = -7.5 d / -15.5 d, the K-quants' dmin = mean level x mean scale / mean min, so the weights
+# centre on zero); "e8m0": a byte drawn from [a, b) (MXFP4: w = level * 2^(e - 128)). The rest
+# of the block (levels, 6-bit sub-scales, high bits) is random: every bit pattern is valid.
+# The ranges bound |w| by ~0.02 (q4_0) to ~0.4 (q8_0, worst-case sub-scales).
+SCALES: dict[str, list[tuple[int, str, float, float]]] = {
+    "q4_0": [(0, "f16", 5e-4, 3e-3)],
+    "q4_1": [(0, "f16", 5e-4, 3e-3), (2, "min", -7.5, 0)],
+    "q5_0": [(0, "f16", 5e-4, 3e-3)],
+    "q5_1": [(0, "f16", 3e-4, 1.5e-3), (2, "min", -15.5, 0)],
+    "q8_0": [(0, "f16", 5e-4, 3e-3)],
+    "q2_k": [(80, "f16", 2e-4, 1e-3), (82, "min", 1.5, 0)],  # w = d sc q - dmin m, q 0..3
+    "q3_k": [(108, "f16", 2e-4, 1e-3)],  # 6-bit signed sub-scales, q -4..3
+    "q4_k": [(0, "f16", 2e-5, 1e-4), (2, "min", 7.5, 0)],  # 6-bit sc / m, q 0..15
+    "q5_k": [(0, "f16", 1e-5, 5e-5), (2, "min", 15.5, 0)],  # q 0..31
+    "q6_k": [(208, "f16", 5e-6, 3e-5)],  # int8 sub-scales, q -32..31
+    "iq4_nl": [(0, "f16", 5e-5, 2e-4)],  # levels up to 127
+    "iq4_xs": [(0, "f16", 2e-6, 1e-5)],  # 6-bit signed sub-scales x levels up to 127
+    "mxfp4": [(0, "e8m0", 115, 121)],  # levels up to 12
+}
+FP8_SCALE = (2e-5, 1e-4)  # fp8 block scales: e4m3 values up to 448 -> |w| < 0.045
 
-    def __init__(self, qtype: str, nbytes: int, rng: np.random.Generator) -> None:
-        _, bsz = QTYPES[qtype]
-        nblocks = nbytes // bsz + 1
-        blocks = np.frombuffer(rng.bytes(nblocks * bsz), np.uint8).reshape(nblocks, bsz).copy()
-        d = rng.uniform(5e-4, 3e-3, nblocks).astype(np.float16)
-        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-        if qtype == "q4_1":
-            blocks[:, 2:4] = (-8 * d).view(np.uint8).reshape(-1, 2)
-        self.data, self.bsz, self.rng = blocks.reshape(-1), bsz, rng
-        self.nblocks = nblocks
+
+def random_rows(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_nbytes(qtype, cols)]: valid random rows of block type `qtype` with the
+    scale fields of SCALES (fp8: each row's ceil(cols / 128) f32 scales from FP8_SCALE, then
+    e4m3 bytes without the NaN codes 0x7f / 0xff)."""
+    if qtype == "fp8":
+        ns = -(-cols // FP8_BLOCK)
+        sc = rng.uniform(*FP8_SCALE, (rows, ns)).astype(np.float32).view(np.uint8)
+        v = np.frombuffer(rng.bytes(rows * cols), np.uint8).reshape(rows, cols).copy()
+        v[(v & 0x7F) == 0x7F] ^= 1  # 0x7f -> 0x7e: the largest finite code, not NaN
+        return np.concatenate([sc, v], axis=1)
+    bw, bsz = QTYPES[qtype]
+    nb = rows * (cols // bw)
+    blocks = np.frombuffer(rng.bytes(nb * bsz), np.uint8).reshape(nb, bsz).copy()
+    d = None
+    for off, kind, a, b in SCALES[qtype]:
+        if kind == "f16":
+            d = rng.uniform(a, b, nb).astype(np.float16)
+            blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+        elif kind == "min":
+            assert d is not None
+            blocks[:, off : off + 2] = (a * d).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        else:  # e8m0
+            blocks[:, off] = rng.integers(int(a), int(b), nb)
+    return blocks.reshape(rows, -1)
+
+
+class BlockPool:
+    """About `nbytes` of valid random `qtype` rows of `cols` weights (random_rows); `take(n)`
+    returns n bytes starting at a random row boundary (n need not be whole rows: a block
+    type's rows are whole blocks, so any block boundary reads as valid blocks)."""
+
+    def __init__(self, qtype: str, nbytes: int, rng: np.random.Generator, cols: int) -> None:
+        self.unit = row_nbytes(qtype, cols)
+        nrows = nbytes // self.unit + 1
+        self.data = random_rows(qtype, nrows, cols, rng).reshape(-1)
+        self.rng, self.nrows = rng, nrows
 
     def take(self, n: int) -> memoryview:
-        need = -(-n // self.bsz)
-        start = int(self.rng.integers(0, self.nblocks - need + 1)) * self.bsz
+        need = -(-n // self.unit)
+        if need > self.nrows:
+            raise ValueError(f"pool of {self.nrows} rows cannot give {need}")
+        start = int(self.rng.integers(0, self.nrows - need + 1)) * self.unit
         return memoryview(self.data[start : start + n])
 
 
@@ -355,7 +406,16 @@ def synth_store(
         )
     rng = np.random.default_rng(seed)
     biggest = max(max(t.nbytes for t in layout.tensors.values()), 1 << 20)
-    pools = {q: BlockPool(q, max(64 << 20, 2 * biggest), rng) for q in {quant, dense_quant}}
+    pools: dict[tuple[str, int], BlockPool] = {}
+
+    def pool(qtype: str, cols: int) -> BlockPool:
+        """One pool per type and row length (an fp8 row holds its own scales); block types
+        share one pool of 256-column rows, taken at any block boundary."""
+        key = (qtype, cols if qtype == "fp8" else 0)
+        if key not in pools:
+            pools[key] = BlockPool(qtype, max(64 << 20, 2 * biggest), rng, key[1] or 256)
+        return pools[key]
+
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model,
@@ -367,16 +427,17 @@ def synth_store(
             if qtype in BLOCK_QTYPES:
                 rows, rb = stored
                 step = max(1, (32 << 20) // rb)
+                src = pool(qtype, shape[-1])
                 for r in range(0, rows, step):
-                    w.write_dense(name, pools[qtype].take(min(step, rows - r) * rb))
+                    w.write_dense(name, src.take(min(step, rows - r) * rb))
             else:
                 w.write_dense(name, _float_tensor(name, shape, rng))
             bar.update(tensor_nbytes(qtype, shape))
-        pool = pools[quant]
+        srcs = {k: pool(t.qtype, t.shape[-1]) for k, t in layout.tensors.items()}
         for layer in moe:
             for e in range(E):
                 w.write_expert(
-                    layer, e, {k: pool.take(t.nbytes) for k, t in layout.tensors.items()}
+                    layer, e, {k: srcs[k].take(t.nbytes) for k, t in layout.tensors.items()}
                 )
                 bar.update(layout.record_nbytes)
         for name, data in _tokenizer_files(model):

@@ -1,8 +1,8 @@
 """Replay section: the real Mixtral-8x7B routing trace against a Mixtral-8x7B-shaped store.
 
-- Offline (no IO): hit rate of LRU, LFU, LFRU and Belady's MIN (the optimum for demand caching,
-  Belady 1966) over the whole trace for cache budgets from 8 to 256 of the 256 records
-  (32 layers x 8 experts), each policy also as a fraction of Belady.
+- Offline (no IO): hit rate of LRU, LFU, LFRU, NEXTUSE (the default) and Belady's MIN (the
+  optimum for demand caching, Belady 1966) over the whole trace for cache budgets from 8 to
+  256 of the 256 records (32 layers x 8 experts), each policy also as a fraction of Belady.
 - Online: `colibri.io.replay.replay` through the real UringReader + ExpertCache + Prefetcher
   over a synthetic experts file (Mixtral-8x7B q4_0 records: 3 x 4096 x 14336 weights, 99 MB;
   scaled 1/16 in quick mode) for policy x budget x prefetch (none, oracle, repeat), after a
@@ -37,7 +37,7 @@ TITLE = "Real Mixtral-8x7B routing trace: cache policies, prefetch, Belady"
 DATA = ROOT.parent / "shared" / "data"
 TRACE = DATA / "routing" / "mixtral_8x7b_pertoken" / "humaneval_2_routing.jsonl"
 TEXT = DATA / "text" / "olmoe_routing_c4_texts.txt.xz"
-POLICIES = ("lru", "lfu", "lfru")
+POLICIES = ("lru", "lfu", "lfru", "nextuse")
 PREFETCH = ("none", "oracle", "repeat")
 QD = 32
 SLAB_MAX = 8 << 30  # slab pool ceiling in full mode (the machine's RAM is shared)
@@ -213,7 +213,7 @@ def prefetch_recall(ctx: Context) -> tuple[list[dict[str, Any]], list[str]]:
 def _series(ax: Any, sub: list[dict], key: str) -> None:
     """`key` per policy x prefetch: lines over the budget, or grouped bars for one budget."""
     budgets = sorted({r["budget_records"] for r in sub})
-    colors = dict(zip(POLICIES, ("C0", "C1", "C2"), strict=True))
+    colors = dict(zip(POLICIES, ("C0", "C1", "C2", "C3"), strict=True))
     if len(budgets) == 1:
         width = 0.8 / len(PREFETCH)
         for j, pf in enumerate(PREFETCH):
@@ -244,7 +244,7 @@ def _plots(ctx: Context, offline: list[dict], rows: list[dict], disk: dict) -> l
     caps = [r["capacity"] for r in offline]
     total = 256
     ax.plot(caps, [r["belady"] for r in offline], "k--", lw=2, label="Belady MIN (optimum)")
-    for p, mk in zip(POLICIES, "osd", strict=True):
+    for p, mk in zip(POLICIES, "osd^", strict=True):
         ax.plot(caps, [r[p] for r in offline], marker=mk, label=p.upper())
     ax.set_xlabel(f"cache budget (records of {total}; 1 record = 1 expert of 1 layer)")
     ax.set_ylabel("hit rate")

@@ -12,10 +12,13 @@ limits (disk with fio, memory bandwidth), kernels (matvec GB/s as a fraction of 
 bandwidth), decode (colibri decode/prefill, stores that fit the budget and 2-3x bigger, cold and
 warm, next to the storage and compute bounds), replay (the real Mixtral-8x7B routing trace per
 policy x budget x prefetch vs Belady; prefetcher recall on colibri's own runs), llama (llama.cpp
-on the same GGUF weights: in RAM, and both engines under one cgroup memory limit), mirror
+on the same GGUF weights: in RAM, and both engines under one cgroup memory limit), types
+(in-RAM decode/prefill per expert type, Q4_0 / Q4_K / Q6_K / MXFP4 / FP8, beside llama.cpp
+where GGUF has the type), mirror
 (expert reads spread over copies of the experts file on several drives), quality
 (perplexity, KL and routing agreement of every expert format against the f32 store), serve
-(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT).
+(`colibri serve` at 1-8 concurrent clients in RAM and out of core; the prefix cache's TTFT),
+cluster (experts on a local 2-node Ray cluster vs the single-process engine; needs Ray).
 
 Big files (synthetic stores, GGUFs, the fio file) go to --work and are kept for the next run.
 """
@@ -39,9 +42,11 @@ SECTIONS: dict[str, str] = {
     "decode": "colibri.bench.sec_decode",
     "replay": "colibri.bench.sec_replay",
     "llama": "colibri.bench.sec_llama",
+    "types": "colibri.bench.sec_types",
     "mirror": "colibri.bench.sec_mirror",
     "quality": "colibri.bench.sec_quality",
     "serve": "colibri.bench.sec_serve",
+    "cluster": "colibri.bench.sec_cluster",
 }
 
 

@@ -333,6 +333,70 @@ def matmul_q8(
     return out
 
 
+# Weight types with a GEMM on Q8_K activations (matmul_q8k).
+Q8K_ACT_TYPES = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
+Q8K_BLOCK_NBYTES = 292  # ggml's block_q8_K: f32 d, 256 int8, 16 int16 sums
+
+
+def quantize_q8_k(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Activations x float32 [..., cols] -> Q8_K blocks uint8 [..., cols // 256 * 292] for
+    matmul_q8k: per 256 values the one of largest magnitude m becomes -127, d = m / -127 (f32),
+    q = round-half-even(x * -127 / m) capped at 127, plus the int16 sums of q per 16 (ggml's
+    quantize_row_q8_K_ref). Raises KernelError if cols is not a multiple of 256 or `out` is
+    wrong."""
+    x = _f32(np.ascontiguousarray(x, np.float32), "quantize_q8_k: x")
+    cols = x.shape[-1] if x.ndim else 0
+    if x.ndim == 0 or cols % 256:
+        raise KernelError(f"quantize_q8_k: cols {cols} is not a multiple of 256")
+    shape = (*x.shape[:-1], cols // 256 * Q8K_BLOCK_NBYTES)
+    if out is None:
+        out = np.empty(shape, np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise KernelError(f"quantize_q8_k: out must be C-contiguous uint8 {shape}")
+    rc = lib.clb_quantize_q8_k(_ptr(out), _fp(x), x.size // cols if cols else 0, cols)
+    if rc:
+        _check(rc, f"quantize_q8_k(cols={cols})")
+    return out
+
+
+def matmul_q8k(
+    w: Buffer, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """out[n, rows] = xq[n, cols] @ W[rows, cols]^T for K-quant weights on Q8_K activations, a
+    GEMM tiled over the x rows (the tokens routed to an expert): per 256-weight block the exact
+    int32 sums of ggml's vec_dot_q4_K_q8_K / vec_dot_q6_K_q8_K (levels x q per sub-block times
+    its scale; the mins times x's sums), then acc = fma(sumi, d_w d_x, acc) (and
+    fma(-summ, dmin_w d_x, acc)) in block order: the same bits at every ISA level and batch
+    size (csrc/kquants_gemm.h).
+
+    w: Q4_K / Q5_K / Q6_K bytes [rows, row_nbytes]; xq: uint8 [n, cols // 256 * 292] or 1-D,
+    from quantize_q8_k; out: float32 [n, rows] or [rows] (same ndim as xq). Returns out.
+    Raises KernelError for another weight type or any shape, dtype or size mismatch."""
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    if qt not in Q8K_ACT_TYPES:
+        valid = ", ".join(sorted(q.name for q in Q8K_ACT_TYPES))
+        raise KernelError(f"matmul_q8k: weights must be one of {valid}, got {qt.name}")
+    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
+        raise KernelError("matmul_q8k: xq must be a C-contiguous uint8 numpy array (Q8_K)")
+    _f32(out, "matmul_q8k: out", writable=True)
+    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
+        raise KernelError(
+            f"matmul_q8k: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
+            "or [n, row bytes] and [n, rows]"
+        )
+    if xq.shape[-1] % Q8K_BLOCK_NBYTES:
+        raise KernelError(f"matmul_q8k: xq rows of {xq.shape[-1]} bytes are not Q8_K blocks")
+    n = xq.shape[0] if xq.ndim == 2 else 1
+    cols, rows = xq.shape[-1] // Q8K_BLOCK_NBYTES * 256, out.shape[-1]
+    want = rows * _row_nbytes(qt, cols)
+    if (got := _nbytes(w, "matmul_q8k: w")) != want:
+        raise KernelError(f"matmul_q8k: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    rc = lib.clb_matmul_q8k(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul_q8k({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
 _tls = threading.local()
 
 
@@ -435,6 +499,58 @@ def expert_ffn(
     )  # fmt: skip
     if rc:
         _check(rc, f"expert_ffn({qt.name}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    return out
+
+
+def expert_ffn_q8k(
+    out: np.ndarray,
+    x: np.ndarray,
+    gate: Buffer,
+    up: Buffer,
+    down: Buffer,
+    qtypes: tuple[QType | str | int, QType | str | int, QType | str | int],
+    d_model: int,
+    d_ff: int,
+    *,
+    act: Act | str | int = Act.SILU,
+    gate_bias: np.ndarray | None = None,
+    up_bias: np.ndarray | None = None,
+    down_bias: np.ndarray | None = None,
+    row_weight: np.ndarray | None = None,
+    accumulate: bool = True,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """expert_ffn for a record whose gate / up / down (`qtypes`) are all Q4_K / Q5_K / Q6_K, on
+    Q8_K activations: x and h quantized as quantize_q8_k, the three products by matmul_q8k's
+    GEMM over the n token rows (bits independent of n, the ISA level and the thread count).
+    Arguments and result as expert_ffn (d_model, d_ff multiples of 256). Raises KernelError on
+    another type or bad shapes."""
+    qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
+    if len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts):
+        raise KernelError(f"expert_ffn_q8k: gate/up/down must be Q4_K, Q5_K or Q6_K, got {qts}")
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, "expert_ffn_q8k")
+    if cols != d_model or rows != d_model:
+        raise KernelError(f"expert_ffn_q8k: x {x.shape} and out {out.shape} need d_model={d_model}")
+    wants = (d_ff * _row_nbytes(qts[0], d_model), d_ff * _row_nbytes(qts[1], d_model),
+             d_model * _row_nbytes(qts[2], d_ff))  # fmt: skip
+    for name, buf, want in zip(("gate", "up", "down"), (gate, up, down), wants, strict=True):
+        if (got := _nbytes(buf, f"expert_ffn_q8k: {name}")) != want:
+            raise KernelError(f"expert_ffn_q8k: {name} has {got} bytes, needs {want}")
+    _opt_f32(gate_bias, d_ff, "expert_ffn_q8k: gate_bias")
+    _opt_f32(up_bias, d_ff, "expert_ffn_q8k: up_bias")
+    _opt_f32(down_bias, d_model, "expert_ffn_q8k: down_bias")
+    _opt_f32(row_weight, n, "expert_ffn_q8k: row_weight")
+    scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
+    rc = lib.clb_expert_ffn_q8k(
+        *qts, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
+        ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
+        n, d_model, d_ff, a, alpha, limit, bool(accumulate), nthreads,
+    )  # fmt: skip
+    if rc:
+        _check(rc, f"expert_ffn_q8k({qts}, n={n}, d_model={d_model}, d_ff={d_ff})")
     return out
 
 

@@ -9,9 +9,12 @@ names; a dense tensor already in its target storage type (`--dense-quant keep`: 
 copied bit-exact (rows un-permuted where llama.cpp permuted Q/K for its rope), any other is
 dequantized by gguf and requantized.
 
-Architectures: every family with a GGUFArch (models/<model_type>.py; today GGUF "llama" with
-experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "qwen2moe" -> qwen2_moe, "olmoe" ->
-olmoe). The config is rebuilt from GGUF metadata in HF spelling; each GGUF tensor's HF name is
+Architectures: every family with an importable GGUFArch (models/<model_type>.py; GGUF
+"llama" with experts (Mixtral) -> mixtral, "qwen3moe" -> qwen3_moe, "qwen2moe" -> qwen2_moe,
+"olmoe" -> olmoe, "minimax-m2" -> minimax_m2, "glm4moe" -> glm4_moe, "gpt-oss" -> gpt_oss
+(expert biases kept f32 in the records), "deepseek2" with attn_kv_b whole -> deepseek_v2
+(softmax expert_gating_func) or deepseek_v3 (sigmoid)). The config is rebuilt from GGUF
+metadata in HF spelling (YaRN included); each GGUF tensor's HF name is
 the one of the family's spec whose GGUF name (gguf's own TensorNameMap) it has. A tokenizer.json
 is rebuilt from the GGUF vocabulary for SentencePiece vocabularies (`tokenizer.ggml.model`
 "llama": Llama 2, Mistral, Mixtral) and byte-level BPE ones ("gpt2") with the `pre` "qwen2",

@@ -1,5 +1,5 @@
 """`colibri eval`: measured quality of a store. Sits above the engine and uses only its
-public API (Engine.forward with all_logits, Engine.capture_routing, Sequence.truncate).
+public API (Engine.forward_batch with all_logits, Engine.capture_routing, Sequence.fork).
 
 - perplexity (llama.cpp's llama-perplexity method) and, against a reference store of the same
   model, per-token KL divergence, top-1 agreement and routing agreement per MoE layer;
@@ -11,6 +11,19 @@ perplexity, metrics), cli.py (the command and its JSON).
 """
 
 from colibri.eval.data import EvalError
-from colibri.eval.scoring import continuation_logprobs, encode_pair, perplexity, score_requests
+from colibri.eval.scoring import (
+    continuation_logprobs,
+    encode_pair,
+    perplexity,
+    score_items,
+    score_requests,
+)
 
-__all__ = ["EvalError", "continuation_logprobs", "encode_pair", "perplexity", "score_requests"]
+__all__ = [
+    "EvalError",
+    "continuation_logprobs",
+    "encode_pair",
+    "perplexity",
+    "score_items",
+    "score_requests",
+]

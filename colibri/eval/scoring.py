@@ -1,15 +1,17 @@
 """Log-likelihoods of given tokens, through the engine's public API only.
 
-- `score_requests` / `continuation_logprobs`: the log-probability of each continuation token
-  given its context (multiple choice; a server's `echo` prompt logprobs). The longest token
-  prefix the requests share is computed once; every request continues from its KV cache
-  (Sequence.truncate rewinds it).
+- `score_items` / `score_requests` / `continuation_logprobs`: the log-probability of each
+  continuation token given its context (multiple choice). The longest token prefix an item's
+  requests share is computed once; every request continues from a fork of its KV cache
+  (Sequence.fork); items are scored in groups through batched forwards
+  (Engine.forward_batch): the group's prefixes together, then all their continuations.
 - `encode_pair`: lm-evaluation-harness's request tokenization (lm_eval/api/model.py
   `_encode_pair` and HFLM.tok_encode).
 - `perplexity`: llama.cpp's llama-perplexity method (tools/perplexity/perplexity.cpp,
   perplexity()): non-overlapping windows of n_ctx tokens, each scored on its second half,
   BOS replacing each window's first token where the tokenizer adds BOS; optionally against a
-  reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer).
+  reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer);
+  windows are fed side by side in batched forwards too.
 
 Log-softmax runs in float64 on the engine's f32 logits.
 """
@@ -31,6 +33,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def target_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """float64 log-softmax(logits[i])[targets[i]] for f32 logits [n, vocab] and int targets
+    [n]: the log-sum-exp per row in float64, without the full log-softmax array."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
+    return x[np.arange(len(targets)), targets] - lse
 
 
 def added_bos(tokenizer: Any) -> int | None:
@@ -252,8 +263,7 @@ async def _score_group(
             if n:
                 r, offset = np.concatenate([lasts[k][None], r]), n - 1
             pos = np.arange(len(ctx) - 1, len(s) - 1)  # logits at pos predict s[pos + 1]
-            lp = log_softmax(r[pos - offset])
-            out[k].append(lp[np.arange(len(pos)), np.asarray(s)[pos + 1]])
+            out[k].append(target_logprobs(r[pos - offset], np.asarray(s)[pos + 1]))
         return out
     finally:
         for seq in bases + forks:
@@ -420,6 +430,9 @@ async def perplexity(
         for b, w in enumerate(batch):
             rows = got[0][b]
             targets = np.asarray(w[first + 1 :])
+            if ref is None:
+                nll.append(-target_logprobs(rows, targets))
+                continue
             lp = log_softmax(rows)
             idx = np.arange(len(targets))
             nll.append(-lp[idx, targets])

@@ -1,6 +1,6 @@
 """ExpertCache: (layer, expert) -> a slab slot holding that expert's record, under a byte budget.
 
-    cache = ExpertCache(store, reader, budget_nbytes, policy="lru", pinned=hot_keys)
+    cache = ExpertCache(store, reader, budget_nbytes, policy="nextuse", pinned=hot_keys)
     cache.request(layer, experts)          # start a layer's misses together (never waits)
     lease = await cache.get(layer, expert)  # hit, or await the read
     with lease: kernel(lease.buffer)       # uint8 [record nbytes], valid until released
@@ -17,6 +17,11 @@ overruns the budget. Cancelling a `get` never cancels the shared read: the recor
 stays cached.
 
 Policies (victim = least valuable evictable entry; lookup is a dict, O(1)):
+  nextuse (default) — the record whose next use is estimated farthest: layer distance in the
+         cycle over layers plus the expected extra cycles, from a short- and a long-halflife
+         routing frequency (NextUsePolicy). Fraction of Belady's hits at half the records:
+         0.78 on the real Mixtral-8x7B trace (lfru 0.74, lru 0.70), 0.93 on the demo model's
+         (lfru 0.92); best of the four at every budget 1/16..3/4 on both.
   lru  — least recently used (OrderedDict; O(1) eviction).
   lfu  — fewest demand accesses since the cache was built, counts kept across evictions
          ("perfect LFU": expert popularity is stable per model), ties by recency.
@@ -32,6 +37,7 @@ the same budget and are never evicted once loaded.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import heapq
 import itertools
@@ -50,7 +56,7 @@ from colibri.io.format import ExpertRecord
 from colibri.io.reader import DEMAND, PREFETCH, Reader
 
 Key = tuple[int, int]  # (layer, expert)
-POLICIES = ("lru", "lfu", "lfru")
+POLICIES = ("lru", "lfu", "lfru", "nextuse")
 
 
 # ---- policies (shared with the offline simulator in colibri.io.replay) ----------------------
@@ -59,6 +65,9 @@ class LRUPolicy:
 
     def __init__(self) -> None:
         self._order: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+
+    def visit(self, layer: Hashable) -> None:
+        """Layer `layer` is being processed (only nextuse uses this)."""
 
     def access(self, key: Hashable) -> None:
         if key in self._order:
@@ -91,6 +100,9 @@ class _HeapPolicy:
 
     def _bump(self, key: Hashable) -> float:
         raise NotImplementedError
+
+    def visit(self, layer: Hashable) -> None:
+        """Layer `layer` is being processed (only nextuse uses this)."""
 
     def _push(self, key: Hashable) -> None:
         item = (self._score.get(key, -math.inf), next(self._seq))
@@ -152,14 +164,150 @@ class LFRUPolicy(_HeapPolicy):
         return b + math.log2(1.0 + 2.0 ** (a - b))  # log2(2^a + 2^b), a < b
 
 
+class NextUsePolicy:
+    """Evict the record whose next use is estimated farthest away (Belady's MIN with the
+    future estimated). MoE access walks the layers in a cycle, so record (l, e) is next
+    wanted at the next visit of layer l, d(l) layer visits from now (1 for the next layer,
+    the number of layers seen for the current one), with probability p(l, e); if it is not
+    wanted then, the wait is a whole cycle more (geometric), so the expected distance is
+    d(l) + n_layers (1 - p) / p.
+
+    p(l, e) = w s_short + (1 - w) s_long, s_h = e's share of layer l's visits with weights
+    decaying by halflife h visits of l: the short one (`halflife`, default 0.5) is routing's
+    token-to-token reuse (what LRU catches), the long one (`long_halflife`, 16) each expert's
+    popularity (what LFU catches); w = `weight` (0.5). Measured on the real Mixtral-8x7B
+    trace and on colibri's own traces (README "Cache policy").
+
+    Layer l's clock is its own visit count, so the order of p within a layer changes only
+    when l is visited or its residents change: each layer's least likely resident is kept
+    and rescanned lazily; a victim compares one candidate per layer (O(layers)).
+    visit(layer) tells it the layer being processed before its reads are started."""
+
+    def __init__(
+        self, halflife: float = 0.5, long_halflife: float = 16.0, weight: float = 0.5
+    ) -> None:
+        self.halflife, self.long_halflife, self.weight = halflife, long_halflife, weight
+        self._h = (float(halflife), float(long_halflife))
+        self._r = tuple(2.0 ** (-1.0 / h) for h in self._h)
+        self._layers: list[Hashable] = []  # MoE layers seen, in order
+        self._pos: dict[Hashable, int] = {}
+        self._visits: dict[Hashable, int] = {}
+        self._cur: Hashable | None = None
+        # key -> (log2 sum_i 2^(v_i / h) for both halflives), v_i: the visit of each use
+        self._score: dict[Hashable, tuple[float, float]] = {}
+        self._resident: dict[Hashable, set[Hashable]] = {}  # layer -> its resident keys
+        self._n = 0
+        self._last: dict[Hashable, int] = {}  # key -> its last access (ties: least recent)
+        self._clock = itertools.count()
+        # layer -> (p, last access, key) of its least likely resident; None: rescan
+        self._least: dict[Hashable, tuple[float, int, Hashable] | None] = {}
+
+    def visit(self, layer: Hashable) -> None:
+        """Layer `layer` is being processed (a new visit of it)."""
+        self._cur = layer
+        if layer not in self._pos:
+            bisect.insort(self._layers, layer)
+            self._pos = {x: i for i, x in enumerate(self._layers)}
+        self._visits[layer] = self._visits.get(layer, 0) + 1
+        self._least[layer] = None  # the clock moved: rescan
+
+    def access(self, key: Hashable) -> None:
+        layer = key[0]  # type: ignore[index]
+        if layer != self._cur:  # a caller that does not call visit
+            self.visit(layer)
+        v = self._visits[layer]
+        old = self._score.get(key, (-math.inf, -math.inf))
+        self._score[key] = tuple(  # type: ignore[assignment]
+            b + math.log2(1.0 + 2.0 ** (a - b))  # log2(2^a + 2^b), a < b
+            for a, b in zip(old, (v / h for h in self._h), strict=True)
+        )
+        self._last[key] = next(self._clock)
+        self._least[layer] = None
+
+    def _p(self, key: Hashable, v: int) -> float:
+        """The probability that key is used at its layer's next visit (v: visits so far)."""
+        score = self._score.get(key)
+        if score is None or v == 0:
+            return 0.0
+        p = 0.0
+        for a, h, r, w in zip(score, self._h, self._r, (self.weight, 1 - self.weight), strict=True):
+            p += w * 2.0 ** (a - v / h) * (1.0 - r) / (1.0 - r**v)
+        return p
+
+    def insert(self, key: Hashable) -> None:
+        layer = key[0]  # type: ignore[index]
+        keys = self._resident.setdefault(layer, set())
+        if key in keys:
+            return
+        keys.add(key)
+        self._n += 1
+        least = self._least.get(layer)
+        if least is not None:
+            item = (self._p(key, self._visits.get(layer, 0)), self._last.get(key, -1), key)
+            if item[:2] < least[:2]:
+                self._least[layer] = item
+
+    def remove(self, key: Hashable) -> None:
+        layer = key[0]  # type: ignore[index]
+        keys = self._resident.get(layer)
+        if keys is None or key not in keys:
+            return
+        keys.discard(key)
+        self._n -= 1
+        least = self._least.get(layer)
+        if least is not None and least[2] == key:
+            self._least[layer] = None
+
+    def _scan(
+        self, layer: Hashable, skip: Callable[[Hashable], bool] | None
+    ) -> tuple[float, int, Hashable] | None:
+        v = self._visits.get(layer, 0)
+        found = None
+        for key in self._resident[layer]:
+            if skip is not None and skip(key):
+                continue
+            item = (self._p(key, v), self._last.get(key, -1), key)
+            if found is None or item[:2] < found[:2]:
+                found = item
+        return found
+
+    def victim(self, skip: Callable[[Hashable], bool] | None = None) -> Hashable | None:
+        n = len(self._layers)
+        cur = self._pos.get(self._cur, 0)
+        best, far = None, (-1.0, 0)
+        for layer, keys in self._resident.items():
+            if not keys:
+                continue
+            least = self._least.get(layer)
+            if least is None:
+                least = self._least[layer] = self._scan(layer, None)
+            if least is not None and skip is not None and skip(least[2]):
+                least = self._scan(layer, skip)  # its least likely is held: the next one
+            if least is None:
+                continue
+            p = max(least[0], 1e-12)
+            d = (self._pos[layer] - cur) % n or n if layer in self._pos else n
+            dist = (d + n * (1.0 - p) / p, -least[1])  # ties: the least recently used
+            if dist > far:
+                best, far = least[2], dist
+        return best
+
+    def __len__(self) -> int:
+        return self._n
+
+
 def make_policy(name: str, num_slots: int, halflife: float | None = None) -> Any:
-    """A policy object by name ("lru", "lfu", "lfru"); ValueError for another name."""
+    """A policy object by name ("lru", "lfu", "lfru", "nextuse"); ValueError for another
+    name. halflife: LFRU's in accesses (default 16 x num_slots), nextuse's short one in
+    visits of a layer (default 0.5)."""
     if name == "lru":
         return LRUPolicy()
     if name == "lfu":
         return LFUPolicy()
     if name == "lfru":
         return LFRUPolicy(halflife or 16 * num_slots)
+    if name == "nextuse":
+        return NextUsePolicy(halflife or 0.5)
     raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
 
 
@@ -329,7 +477,7 @@ class ExpertCache:
         reader: Reader,
         budget_nbytes: int,
         *,
-        policy: str = "lru",
+        policy: str = "nextuse",
         pinned: Iterable[Key] = (),
         verify: bool | str = "once",
         min_slots: int | None = None,
@@ -387,6 +535,7 @@ class ExpertCache:
     def request(self, layer: int, experts: Iterable[int]) -> None:
         """Start the reads of a layer's experts now (one io_uring submit for the batch); never
         waits. Each requested expert is reserved until a `get` of it (or `unrequest`)."""
+        self._policy.visit(layer)
         for expert in experts:
             entry = self._entry_for((layer, int(expert)), DEMAND)
             entry.refs += 1

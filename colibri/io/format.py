@@ -331,6 +331,8 @@ class Store:
         self._index = {(r.layer, r.expert): r for r in self.records}
         self.moe_layers: list[int] = sorted({r.layer for r in self.records})
         self.num_experts: int = 1 + max((r.expert for r in self.records), default=-1)
+        if "shard" in manifest:  # a shard may lack the highest expert ids
+            self.num_experts = num_experts(text_view(self.config)) or self.num_experts
         self._check_complete(mpath)
         self._check_config_agrees(mpath)
         self._check_experts_file()
@@ -339,6 +341,8 @@ class Store:
     # ---- validation ---------------------------------------------------------------------
 
     def _check_complete(self, mpath: Path) -> None:
+        if "shard" in self.manifest:  # one node's share of the records (`colibri shard`)
+            return
         for layer in self.moe_layers:
             have = {e for (lay, e) in self._index if lay == layer}
             if len(have) != self.num_experts:
@@ -917,9 +921,16 @@ class StoreWriter:
         (self.tmp / name).write_bytes(data)
         self.files.append(name)
 
-    def finish(self, model_type: str, config: dict[str, Any], source: dict[str, Any]) -> Path:
-        """Write manifest.json, sync, and rename the temporary directory to `out` (replacing
-        an existing `out` only if `force` was given). Returns `out`."""
+    def finish(
+        self,
+        model_type: str,
+        config: dict[str, Any],
+        source: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write manifest.json (with the `extra` fields, e.g. "shard"), sync, and rename the
+        temporary directory to `out` (replacing an existing `out` only if `force` was
+        given). Returns `out`."""
         if self._next != len(self._plan):
             raise StoreError(f"dense tensor {self._plan[self._next][0]!r} never written")
         self._experts.flush()
@@ -947,6 +958,7 @@ class StoreWriter:
             "checksum": CHECKSUM,
             "experts": self.records,
             "tokenizer_files": [f for f in self.files if "token" in f or "template" in f],
+            **(extra or {}),
         }
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if self.out.exists():

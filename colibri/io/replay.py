@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from colibri.io.cache import ExpertCache, make_policy
+from colibri.io.cache import POLICIES, ExpertCache, make_policy
 from colibri.io.format import ExpertRecord
 from colibri.io.stack import open_expert_cache
 from colibri.io.trace import RoutingTrace, TraceError, load_mixtral_jsonl
@@ -98,9 +98,9 @@ class SyntheticStore:
 
 # ---- offline ---------------------------------------------------------------------------
 def simulate(steps: list[Step], capacity: int, policy: str, start: int = 0) -> tuple[int, int]:
-    """(hits, misses) of `policy` ("lru" | "lfu" | "lfru" | "belady") with `capacity` records,
-    the current layer's experts protected from eviction. Only steps[start:] are counted (the
-    earlier ones warm the cache, as replay's warmup_tokens)."""
+    """(hits, misses) of `policy` ("lru" | "lfu" | "lfru" | "nextuse" | "belady") with
+    `capacity` records, the current layer's experts protected from eviction. Only
+    steps[start:] are counted (the earlier ones warm the cache, as replay's warmup_tokens)."""
     if policy == "belady":
         return _simulate_belady(steps, capacity, start)
     pol = make_policy(policy, capacity)
@@ -108,6 +108,7 @@ def simulate(steps: list[Step], capacity: int, policy: str, start: int = 0) -> t
     hits = misses = 0
     for i, (_, layer, experts) in enumerate(steps):
         now = {(layer, e) for e in experts}
+        pol.visit(layer)  # as ExpertCache.request does
         for e in experts:
             key = (layer, e)
             pol.access(key)
@@ -159,7 +160,7 @@ def _simulate_belady(steps: list[Step], capacity: int, start: int = 0) -> tuple[
 
 
 def offline_report(
-    steps: list[Step], capacities: list[int], policies: tuple[str, ...] = ("lru", "lfu", "lfru")
+    steps: list[Step], capacities: list[int], policies: tuple[str, ...] = POLICIES
 ) -> list[dict[str, Any]]:
     """Per capacity: hit rate of each policy and of Belady, and each as a fraction of Belady."""
     rows = []
@@ -316,7 +317,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--budget", type=parse_nbytes, help="cache budget in bytes (e.g. 2G)")
     p.add_argument("--budget-records", type=int, help="cache budget in records")
-    p.add_argument("--policy", choices=("lru", "lfu", "lfru"), default="lru")
+    p.add_argument("--policy", choices=POLICIES, default="nextuse")
     p.add_argument("--prefetch", choices=("none", "oracle", "repeat"), default="none")
     p.add_argument("--io", choices=("auto", "uring", "threads", "mmap"), default="auto")
     p.add_argument("--queue-depth", type=int, default=32)
@@ -330,7 +331,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--offline",
         action="store_true",
-        help="simulate lru/lfu/lfru/belady without IO (budgets: --budget-records, "
+        help="simulate lru/lfu/lfru/nextuse/belady without IO (budgets: --budget-records, "
         "or 1/16, 1/8, 1/4, 1/2 of all records)",
     )
 
@@ -358,16 +359,11 @@ def run_cli(args: argparse.Namespace) -> int:
             if args.budget_records
             else [max(trace.top_k, total * f // 16) for f in (1, 2, 4, 8)]
         )
-        print(
-            f"{'records':>8} {'belady':>7} "
-            + " ".join(f"{p:>6} {'/MIN':>5}" for p in ("lru", "lfu", "lfru"))
-        )
+        print(f"{'records':>8} {'belady':>7} " + " ".join(f"{p:>7} {'/MIN':>5}" for p in POLICIES))
         for row in offline_report(steps, caps):
             print(
                 f"{row['capacity']:>8} {row['belady']:>7.3f} "
-                + " ".join(
-                    f"{row[p]:>6.3f} {row[p + '/belady']:>5.2f}" for p in ("lru", "lfu", "lfru")
-                )
+                + " ".join(f"{row[p]:>7.3f} {row[p + '/belady']:>5.2f}" for p in POLICIES)
             )
         return 0
     if args.store:

@@ -1,6 +1,6 @@
 """open_expert_cache(): the IO stack (slab pool, reader, expert cache, prefetcher) wired once.
 
-    stack = open_expert_cache(store, budget_nbytes, io="auto", policy="lru")
+    stack = open_expert_cache(store, budget_nbytes, io="auto", policy="nextuse")
     lease = await stack.cache.get(layer, expert)
     ...
     await stack.aclose()
@@ -47,7 +47,7 @@ def open_expert_cache(
     budget_nbytes: int,
     *,
     io: str = "auto",
-    policy: str = "lru",
+    policy: str = "nextuse",
     queue_depth: int = 32,
     verify: bool | str = "once",
     prefetch: bool = False,

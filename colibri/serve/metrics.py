@@ -49,6 +49,30 @@ class _EngineCollector:
         yield counter(
             "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", s.prefix_hits
         )
+        if getattr(s, "cluster", None) is not None:  # --cluster: one series per expert owner
+            c = s.cluster
+            per = [
+                ("cluster_owner_latency_ms", "mean ffn call round trip per owner, ms", "mean_ms",
+                 GaugeMetricFamily),
+                ("cluster_owner_calls", "ffn calls answered per owner", "calls",
+                 CounterMetricFamily),
+                ("cluster_owner_errors", "ffn calls failed per owner", "errors",
+                 CounterMetricFamily),
+                ("cluster_owner_restarts", "times an owner came back after failing", "restarts",
+                 CounterMetricFamily),
+            ]  # fmt: skip
+            for name, doc, field, kind in per:
+                m = kind(f"colibri_{name}", doc, labels=["owner", "node"])
+                for o in c.owners:
+                    m.add_metric([str(o.index), o.node], getattr(o, field))
+                yield m
+            yield gauge(
+                "cluster_layer_round_trip_ms", "mean per-layer round trip, ms", c.round_trip_ms
+            )
+            yield counter(
+                "cluster_wire_bytes", "array bytes to and from the owners",
+                c.bytes_sent + c.bytes_received,
+            )  # fmt: skip
 
 
 class Metrics:

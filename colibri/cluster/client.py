@@ -1,0 +1,460 @@
+"""ClusterExperts: the coordinator's provider of routed-expert outputs computed on Ray actors.
+
+    experts = open_cluster_experts("auto", store, threads=1)
+    pipeline.experts = experts        # each MoE layer now awaits experts.ffn(...)
+    ...
+    await experts.aclose()
+
+The coordinator (the engine's process) keeps the dense weights, attention, routing, the KV
+cache and sampling. Each owner (an ExpertOwner inside a Ray actor, one or more per node) holds
+a shard of the (layer, expert) records (colibri/cluster/placement.py). Per MoE layer, `ffn`
+groups the batch's (row, slot) pairs by owner, sends each owner the rows it needs in one call
+(all owners in parallel, with its share of the next layer's prediction to prefetch), and
+scatters the returned outputs into per-slot arrays that the pipeline sums in the fixed slot
+order: the tokens are those of one machine, whatever the shard map.
+
+Failures: an owner whose actor dies fails the layer's call with a ColibriError naming the owner
+and its node (the request that needed it ends with it); Ray restarts the actor, and the next
+call first waits for it to answer again (or, if its node left, starts it on another node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from colibri.cluster.owner import ExpertOwner
+from colibri.cluster.placement import place
+from colibri.errors import ColibriError
+
+RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
+
+
+@dataclass(frozen=True)
+class OwnerStatistics:
+    """One owner's figures. node: its node's IP; node_id: its Ray node id; pid: its process;
+    records: (layer, expert) records it owns; calls / errors / restarts: ffn calls answered,
+    failed, and the times it came back after failing; mean_ms / max_ms / last_ms: call
+    round-trip latency seen by the coordinator, milliseconds; busy_ms: mean time inside the
+    owner per call (reads and kernels); bytes_sent / bytes_received: array bytes to / from
+    it; hits, misses, bytes_read: its expert cache's counters."""
+
+    index: int
+    node: str
+    node_id: str
+    pid: int
+    records: int
+    calls: int
+    errors: int
+    restarts: int
+    mean_ms: float
+    max_ms: float
+    last_ms: float
+    busy_ms: float
+    bytes_sent: int
+    bytes_received: int
+    hits: int
+    misses: int
+    bytes_read: int
+
+
+@dataclass(frozen=True)
+class ClusterStatistics:
+    """layer_calls: MoE layers sent out; round_trip_ms: mean wall time of a layer's calls
+    (submit to the last answer); overhead_ms: its mean excess over the slowest owner's own
+    time (serialization, scheduling, network); bytes_sent / bytes_received: array bytes over
+    all owners; owners: OwnerStatistics each."""
+
+    layer_calls: int
+    round_trip_ms: float
+    overhead_ms: float
+    bytes_sent: int
+    bytes_received: int
+    owners: tuple[OwnerStatistics, ...] = field(default=())
+
+
+class _Owner:
+    """The coordinator's record of one owner: its actor handle and figures."""
+
+    def __init__(self, index: int, handle: Any, node_id: str, node: str, path: str) -> None:
+        self.index, self.handle, self.node_id, self.node, self.path = (
+            index, handle, node_id, node, path,
+        )  # fmt: skip
+        self.pid = 0
+        self.records = 0
+        self.calls = self.errors = self.restarts = 0
+        self.seconds = self.max_seconds = self.last_seconds = self.busy_seconds = 0.0
+        self.bytes_sent = self.bytes_received = 0
+        self.counts: dict[str, Any] = {}
+        self.down = False
+
+
+def _owner_actor_class() -> Any:
+    """The Ray actor class around ExpertOwner (made on first use: importing this module must
+    not import ray before a cluster is asked for)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+    class ExpertOwnerActor:
+        def __init__(self, path: str, options: dict[str, Any]) -> None:
+            self.owner = ExpertOwner(path, **options)
+
+        async def open(self) -> dict[str, Any]:
+            return await self.owner.open()
+
+        async def ffn(self, layer: int, parts: list, predicted: Any) -> Any:
+            t0 = time.perf_counter()
+            outs, counts = await self.owner.ffn(layer, parts, predicted)
+            counts["call_seconds"] = time.perf_counter() - t0
+            return outs, counts
+
+        async def prefetch(self, layer: int, experts: list[int]) -> None:
+            await self.owner.prefetch(layer, experts)
+
+        async def aclose(self) -> None:
+            await self.owner.aclose()
+
+    return ExpertOwnerActor
+
+
+class ClusterExperts:
+    """The expert-FFN provider over Ray actors (see the module docstring); made by
+    open_cluster_experts(). `shard`: int32 [num_layers, num_experts] owner of each record."""
+
+    prefetch: bool
+
+    def __init__(
+        self, owners: list[_Owner], shard: np.ndarray, prefetch: bool, ray_owned: bool, spawn: Any
+    ) -> None:
+        self._owners, self.shard, self.prefetch = owners, shard, prefetch
+        self._ray_owned, self._spawn = ray_owned, spawn
+        for o in owners:
+            o.records = int((shard == o.index).sum())
+        self.layer_calls = 0
+        self.round_trip_seconds = self.overhead_seconds = 0.0
+        self.restart_timeout = RESTART_TIMEOUT
+        self._closed = False
+
+    @property
+    def num_owners(self) -> int:
+        return len(self._owners)
+
+    def handles(self) -> list[Any]:
+        """The owners' Ray actor handles, by owner index (tests kill them)."""
+        return [o.handle for o in self._owners]
+
+    async def ffn(
+        self,
+        layer: int,
+        routed: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        predicted: tuple[int, list[int]] | None,
+    ) -> list[np.ndarray]:
+        """Per entry (h f32 [n, d_model], ids int [n, top_k], weights f32 [n, top_k]) of
+        routed: f32 [n, top_k, d_model], slot [t, j] = weights[t, j] * FFN_ids[t, j](h[t]),
+        computed by the owners of layer's experts in parallel. predicted: (next MoE layer,
+        expert ids), sent to their owners to prefetch. Raises ColibriError when an owner
+        fails (naming it and its node) or does not come back within restart_timeout."""
+        if self._closed:
+            raise ColibriError("the cluster's expert owners are closed")
+        await self._revive()
+        own = self.shard[layer]
+        slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
+        work: dict[int, list[tuple[int, np.ndarray, tuple[np.ndarray, ...]]]] = {}
+        for s, (h, ids, w) in enumerate(routed):
+            who = own[ids]
+            for o in np.unique(who).tolist():
+                mask = who == o
+                rows = np.flatnonzero(mask.any(axis=1))
+                part = (
+                    np.ascontiguousarray(h[rows], dtype=np.float32),
+                    np.where(mask[rows], ids[rows], -1).astype(np.int32),
+                    np.ascontiguousarray(w[rows], dtype=np.float32),
+                )
+                work.setdefault(o, []).append((s, mask, part))
+        guesses: dict[int, tuple[int, list[int]]] = {}
+        if predicted is not None:
+            nxt, experts = predicted
+            ex = np.asarray(experts, dtype=np.int64)
+            by = self.shard[nxt][ex]
+            guesses = {o: (nxt, ex[by == o].tolist()) for o in np.unique(by).tolist()}
+        for o, guess in guesses.items():
+            if o not in work and not self._owners[o].down:
+                self._owners[o].handle.prefetch.remote(*guess)  # nothing to wait for
+        t0 = time.perf_counter()
+        calls = [
+            self._call(o, layer, [p for _, _, p in items], guesses.get(o))
+            for o, items in work.items()
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        busy = 0.0
+        for items, (outs, call_seconds) in zip(work.values(), results, strict=True):
+            busy = max(busy, call_seconds)
+            for (s, mask, _), out in zip(items, outs, strict=True):
+                rr, ss = np.nonzero(mask)
+                slots[s][rr, ss] = out
+        self.layer_calls += 1
+        self.round_trip_seconds += wall
+        self.overhead_seconds += max(0.0, wall - busy)
+        return slots
+
+    async def _call(
+        self, o: int, layer: int, parts: list[tuple[np.ndarray, ...]], guess: Any
+    ) -> tuple[list[np.ndarray], float]:
+        import ray
+
+        owner = self._owners[o]
+        t0 = time.perf_counter()
+        try:
+            outs, counts = await owner.handle.ffn.remote(layer, parts, guess)
+        except _gone(ray) as exc:
+            owner.errors += 1
+            owner.down = True
+            raise ColibriError(
+                f"expert owner {o} on node {owner.node} failed during MoE layer {layer} "
+                f"({type(exc).__name__}): this request is failed; Ray restarts the owner and "
+                "the next request waits for it"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            owner.errors += 1
+            raise ColibriError(f"expert owner {o} on node {owner.node}: {exc.cause}") from None
+        dt = time.perf_counter() - t0
+        owner.calls += 1
+        owner.seconds += dt
+        owner.last_seconds = dt
+        owner.max_seconds = max(owner.max_seconds, dt)
+        busy = counts.pop("call_seconds", 0.0)
+        owner.busy_seconds += busy
+        owner.bytes_sent += sum(a.nbytes for p in parts for a in p)
+        owner.bytes_received += sum(a.nbytes for a in outs)
+        if counts:
+            owner.counts = counts
+            owner.pid = counts.get("pid", owner.pid)
+        return outs, busy
+
+    async def _revive(self) -> None:
+        """Wait for every owner that failed to answer again (Ray restarts its actor); an
+        actor dead for good (its node left) is started again on another node."""
+        import ray
+
+        for owner in self._owners:
+            if not owner.down:
+                continue
+            deadline = time.monotonic() + self.restart_timeout
+            while True:
+                try:
+                    info = await owner.handle.open.remote()
+                    break
+                except _gone(ray) as exc:
+                    gone = owner.node_id not in {n["NodeID"] for n in _alive_nodes()}
+                    dead = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError)
+                    if isinstance(exc, dead) or gone:
+                        # dead for good, or its node left: start it on a node still there
+                        with contextlib.suppress(Exception):
+                            ray.kill(owner.handle, no_restart=True)
+                        owner.handle, owner.node_id, owner.node = self._spawn(owner.path, None)
+                except ray.exceptions.RayTaskError as exc:
+                    raise ColibriError(
+                        f"expert owner {owner.index} on node {owner.node}: {exc.cause}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise ColibriError(
+                        f"expert owner {owner.index} on node {owner.node} did not come back "
+                        f"within {self.restart_timeout:.0f} s after failing"
+                    )
+                await asyncio.sleep(0.1)
+            owner.pid = info["pid"]
+            owner.restarts += 1
+            owner.down = False
+
+    def counts(self) -> dict[str, Any]:
+        """The owners' expert cache counts (ExpertCache.counts() keys) summed, as each owner
+        last sent them (every owner.COUNTS_EVERY seconds at most)."""
+        total: dict[str, Any] = {}
+        for owner in self._owners:
+            for k, v in owner.counts.items():
+                if k != "pid":
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def statistics(self) -> ClusterStatistics:
+        """A snapshot of the figures (ClusterStatistics); never blocks."""
+        n = max(self.layer_calls, 1)
+        owners = tuple(
+            OwnerStatistics(
+                index=o.index,
+                node=o.node,
+                node_id=o.node_id,
+                pid=o.pid,
+                records=o.records,
+                calls=o.calls,
+                errors=o.errors,
+                restarts=o.restarts,
+                mean_ms=1000 * o.seconds / max(o.calls, 1),
+                max_ms=1000 * o.max_seconds,
+                last_ms=1000 * o.last_seconds,
+                busy_ms=1000 * o.busy_seconds / max(o.calls, 1),
+                bytes_sent=o.bytes_sent,
+                bytes_received=o.bytes_received,
+                hits=int(o.counts.get("hits", 0)),
+                misses=int(o.counts.get("misses", 0)),
+                bytes_read=int(o.counts.get("bytes_read", 0)),
+            )
+            for o in self._owners
+        )
+        return ClusterStatistics(
+            layer_calls=self.layer_calls,
+            round_trip_ms=1000 * self.round_trip_seconds / n,
+            overhead_ms=1000 * self.overhead_seconds / n,
+            bytes_sent=sum(o.bytes_sent for o in owners),
+            bytes_received=sum(o.bytes_received for o in owners),
+            owners=owners,
+        )
+
+    async def aclose(self) -> None:
+        """Close the owners' IO stacks, end their actors, and disconnect from Ray if
+        open_cluster_experts connected."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for owner in self._owners:
+            with contextlib.suppress(Exception):  # a dead owner has nothing left to close
+                await asyncio.wait_for(owner.handle.aclose.remote(), 10)
+            ray.kill(owner.handle, no_restart=True)
+        if self._ray_owned:
+            ray.shutdown()
+
+
+def _gone(ray: Any) -> tuple[type[BaseException], ...]:
+    """The errors of an owner that died, restarts, or whose node left (no answer to wait for)."""
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def open_cluster_experts(
+    address: str,
+    store: Any,
+    *,
+    owners_per_node: int = 1,
+    shard: np.ndarray | None = None,
+    node_stores: Sequence[str] | None = None,
+    hosts: Sequence[str] | None = None,
+    popularity: Mapping[tuple[int, int], float] | None = None,
+    budget: int | None = None,
+    threads: int = 0,
+    activations: str = "q8_0",
+    pad: int = 1,
+    io: str = "auto",
+    policy: str = "lru",
+    verify: bool = True,
+    prefetch: bool = True,
+    queue_depth: int = 32,
+) -> ClusterExperts:
+    """Connect to the Ray cluster at `address` ("auto": the running one; a "host:port"; or
+    an address already joined by ray.init), start the expert owners and wait until each has
+    opened its store.
+
+    store: the coordinator's Store (its config and record size). Owners: owners_per_node on
+    each alive node, or one per entry of node_stores (each owner's store directory on its
+    node; default: store.path on every node), owner k on the node whose IP is hosts[k] when
+    given, else on the alive nodes in turn (Ray node id order). shard: the shard map
+    (placement.py); default place() by `popularity` over the owners. budget: each owner's
+    expert cache bytes (None: every record of its store that fits in half its node's
+    memory). threads, activations, pad: the owners' kernels (activations and pad must be
+    the coordinator's). io, policy, verify, prefetch, queue_depth: the owners' IO stacks.
+    Raises ColibriError when Ray is not installed, the cluster cannot be reached, or an
+    owner cannot open its store.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ColibriError(
+            "--cluster needs Ray: pip install 'colibri[cluster]' (or pip install ray)"
+        ) from None
+    ray_owned = not ray.is_initialized()
+    if ray_owned:
+        try:
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=True,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ColibriError(
+                f"--cluster {address}: cannot join the Ray cluster ({exc})"
+            ) from None
+    nodes = _alive_nodes()
+    paths = list(node_stores) if node_stores else [str(store.path)] * (len(nodes) * owners_per_node)
+    options = dict(
+        budget=budget, threads=threads, activations=activations, pad=pad, io=io, policy=policy,
+        verify=verify, prefetch=prefetch, queue_depth=queue_depth,
+    )  # fmt: skip
+    actor = _owner_actor_class()
+
+    def spawn(path: str, node: dict[str, Any] | None) -> tuple[Any, str, str]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if node is None:  # anywhere alive
+            node = _alive_nodes()[0]
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+        else:
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        handle = actor.options(scheduling_strategy=strategy).remote(path, options)
+        return handle, node["NodeID"], node["NodeManagerAddress"]
+
+    owners = []
+    for o, path in enumerate(paths):
+        node = nodes[o % len(nodes)]
+        if hosts is not None:
+            node = next((n for n in nodes if n["NodeManagerAddress"] == hosts[o]), None)
+            if node is None:
+                for w in owners:
+                    ray.kill(w.handle, no_restart=True)
+                if ray_owned:
+                    ray.shutdown()
+                raise ColibriError(
+                    f"--shard-map: owner {o}'s host {hosts[o]} is not an alive node of the "
+                    f"cluster ({', '.join(sorted({n['NodeManagerAddress'] for n in nodes}))})"
+                )
+        owners.append(_Owner(o, *spawn(path, node), path))
+    from colibri.registry import model_spec
+
+    spec_layers = len(model_spec(store.config).layers)
+    if shard is None:
+        shard = place(
+            store.moe_layers,
+            spec_layers,
+            store.num_experts,
+            len(owners),
+            store.layout.record_nbytes,
+            popularity=popularity,
+        )
+    experts = ClusterExperts(owners, shard, prefetch, ray_owned, spawn)
+    try:
+        infos = ray.get([o.handle.open.remote() for o in owners])
+    except ray.exceptions.RayTaskError as exc:
+        for o in owners:
+            ray.kill(o.handle, no_restart=True)
+        if ray_owned:
+            ray.shutdown()
+        raise ColibriError(f"--cluster: an expert owner cannot start: {exc.cause}") from None
+    for o, info in zip(owners, infos, strict=True):
+        o.pid = info["pid"]
+    return experts

@@ -1,0 +1,198 @@
+"""The K-quant GEMM on Q8_K activations (csrc/kquants_gemm.c, arch/kquants_gemm.inc): Q8_K
+bytes against a numpy port of ggml's quantize_row_q8_K_ref (gguf has no Q8_K codec),
+products against float64 dequantize-then-matmul references (weights decoded by gguf), and one
+computation for every ISA level, tile, thread count and batch size (batch invariance)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.compute import ops
+from colibri.errors import KernelError
+from tests.kernel_util import random_weights
+
+TYPES = [ops.QType.Q4_K, ops.QType.Q5_K, ops.QType.Q6_K]
+ISAS = [i for i in ops.ISA if i <= ops.best_isa()]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    before = ops.isa()
+    yield
+    ops.set_isa(before)
+
+
+def q8k_reference(x: np.ndarray) -> np.ndarray:
+    """numpy port of ggml's quantize_row_q8_K_ref -> block_q8_K bytes [rows, cols / 256 * 292]:
+    the value of largest magnitude (first of ties) -> -127, d = 1 / (-127 / max), q =
+    round-half-even(x * (-127 / max)) capped at 127, int16 sums of q per 16."""
+    rows, cols = x.shape
+    xb = x.reshape(rows, cols // 256, 256).astype(np.float32)
+    idx = np.abs(xb).argmax(axis=-1)
+    mx = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint((iscale[..., None] * xb).astype(np.float32)), 127).astype(np.int8)
+    with np.errstate(divide="ignore"):
+        d = np.where(mx != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    bs = q.reshape(rows, cols // 256, 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+    out = np.concatenate(
+        [d[..., None].view(np.uint8), q.view(np.uint8), bs.view(np.uint8)], axis=-1
+    )
+    return out.reshape(rows, -1)
+
+
+def q8k_dequantize(xq: np.ndarray, cols: int) -> np.ndarray:
+    """block_q8_K bytes [n, cols / 256 * 292] -> float32 d * q [n, cols]."""
+    b = xq.reshape(len(xq), cols // 256, 292)
+    d = b[..., :4].copy().view(np.float32)
+    return (d * b[..., 4:260].view(np.int8).astype(np.float32)).reshape(len(xq), cols)
+
+
+def _x(rng: np.random.Generator, n: int, cols: int) -> np.ndarray:
+    x = rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, (n, 1))
+    x[:, 7] *= 30  # an outlier per block row
+    return x.astype(np.float32)
+
+
+def test_q8k_bytes_equal_ggml_reference():
+    rng = np.random.default_rng(0)
+    x = _x(rng, 9, 768)
+    x[3, :256] = 0  # an all-zero block: d = 0, q = 0
+    x[4, 300] = -np.abs(x[4]).max() * 2  # a negative extreme: it becomes +127
+    got = ops.quantize_q8_k(x)
+    np.testing.assert_array_equal(got, q8k_reference(x))
+    deq = q8k_dequantize(got, 768)
+    assert np.abs(deq - x).max() <= np.abs(x).max() / 127  # half a step of the largest scale
+    q = got.reshape(9, 3, 292)[..., 4:260].view(np.int8)
+    assert q.min() >= -127 and q.max() <= 127
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize(("rows", "cols", "n"), [(8, 256, 1), (37, 512, 5), (19, 1024, 70)])
+def test_matmul_q8k_matches_dequantized_reference(qt, rows, cols, n):
+    """y = dequant(W) @ dequant(Q8_K(x))^T in float64 (W decoded by gguf) within f32
+    accumulation error, at every ISA level."""
+    rng = np.random.default_rng(int(qt) * 100 + rows)
+    w, wf = random_weights(rng, qt, rows, cols)
+    xq = ops.quantize_q8_k(_x(rng, n, cols))
+    xf = q8k_dequantize(xq, cols)
+    want = xf.astype(np.float64) @ wf.astype(np.float64).T
+    for isa in ISAS:
+        ops.set_isa(isa)
+        got = ops.matmul_q8k(w, qt, xq, np.empty((n, rows), np.float32))
+        scale = np.abs(xf).astype(np.float64) @ np.abs(wf).astype(np.float64).T
+        assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30), isa
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_one_computation_for_every_isa_batch_and_thread_count(qt):
+    """Bit-identical rows whatever the ISA level (scalar twin included), the number of x rows
+    in the call (1, 2, 7, 64, 65 and 130: across panels), the tile a weight row falls in (41
+    rows: a tail tile) and the thread count."""
+    rng = np.random.default_rng(int(qt))
+    rows, cols, n = 41, 512, 130
+    w, _ = random_weights(rng, qt, rows, cols)
+    xq = ops.quantize_q8_k(_x(rng, n, cols))
+    ops.set_isa(ops.ISA.SCALAR)
+    want = ops.matmul_q8k(w, qt, xq, np.empty((n, rows), np.float32), nthreads=1)
+    for isa in ISAS:
+        ops.set_isa(isa)
+        for nt in (1, 2):
+            got = ops.matmul_q8k(w, qt, xq, np.empty((n, rows), np.float32), nthreads=nt)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        for m in (1, 2, 7, 64, 65):
+            for i0 in (0, n - m):
+                part = ops.matmul_q8k(w, qt, xq[i0 : i0 + m], np.empty((m, rows), np.float32))
+                np.testing.assert_array_equal(
+                    part.view(np.uint32), want[i0 : i0 + m].view(np.uint32)
+                )
+        one = ops.matmul_q8k(w, qt, xq[5], np.empty(rows, np.float32))
+        np.testing.assert_array_equal(one.view(np.uint32), want[5].view(np.uint32))
+        # a row range that starts mid-tile: the weight rows' tile does not matter either
+        sub = ops.matmul_q8k(
+            np.ascontiguousarray(w[3:]), qt, xq, np.empty((n, rows - 3), np.float32)
+        )
+        np.testing.assert_array_equal(sub.view(np.uint32), want[:, 3:].view(np.uint32))
+
+
+def test_matmul_q8k_refuses_bad_arguments():
+    rng = np.random.default_rng(1)
+    w, _ = random_weights(rng, ops.QType.Q4_K, 8, 256)
+    xq = ops.quantize_q8_k(_x(rng, 2, 256))
+    with pytest.raises(KernelError, match="must be one of Q4_K, Q5_K, Q6_K, got Q4_0"):
+        ops.matmul_q8k(w, "q4_0", xq, np.empty((2, 8), np.float32))
+    with pytest.raises(KernelError, match="w has 1152 bytes"):
+        ops.matmul_q8k(w, "q4_k", xq, np.empty((2, 9), np.float32))
+    with pytest.raises(KernelError, match="not Q8_K blocks"):
+        ops.matmul_q8k(w, "q4_k", xq[:, :-1].copy(), np.empty((2, 8), np.float32))
+    with pytest.raises(KernelError, match="not a multiple of 256"):
+        ops.quantize_q8_k(np.zeros((2, 96), np.float32))
+
+
+def _ffn_reference(x, gf, uf, df, rw):
+    """(y, slack): the SwiGLU FFN on Q8_K activations in float64 (x and h rounded to f32 go
+    through the numpy Q8_K reference); slack = the L2 change rounding ties of h allow (h / d_h
+    within 1e-3 of k + 0.5 may round either way from the kernel's f32 h)."""
+    from colibri.compute import ref
+
+    xd = q8k_dequantize(q8k_reference(x), x.shape[1]).astype(np.float64)
+    h = ref._act(xd @ gf.astype(np.float64).T, xd @ uf.astype(np.float64).T, 0, 1.702, 7.0)
+    h32 = h.astype(np.float32)
+    hd = q8k_dequantize(q8k_reference(h32), h32.shape[1]).astype(np.float64)
+    y = (hd @ df.astype(np.float64).T) * rw[:, None]
+    hb = h32.reshape(len(x), -1, 256)
+    dh = np.abs(hb).max(axis=2, keepdims=True) / 127
+    steps = np.abs(hb) / np.where(dh > 0, dh, 1)
+    tie = np.abs(steps - np.floor(steps) - 0.5) < 1e-3
+    col = np.linalg.norm(df, axis=0).reshape(-1, 256)
+    return y, float((tie * dh * col[None] * rw[:, None, None]).sum())
+
+
+@pytest.mark.parametrize(
+    "types",
+    [("q4_k", "q4_k", "q6_k"), ("q5_k", "q5_k", "q5_k"), ("q6_k", "q4_k", "q4_k")],
+    ids="/".join,
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_expert_ffn_q8k_matches_reference_and_is_batch_invariant(types):
+    """The fused FFN on Q8_K activations (a Q4_K_M-style record: Q6_K down) against the
+    float64 FFN of gguf-dequantized weights on Q8_K round trips of x and h; and each token's
+    row the same bits alone as among 11 tokens, at every ISA level and thread count."""
+    from tests.kernel_util import FFN_TOL
+
+    rng = np.random.default_rng(len("".join(types)))
+    d_model, d_ff, n = 512, 768, 11
+    qts = [ops.QType.parse(t) for t in types]
+    (g, gf), (u, uf), (d, df) = (
+        random_weights(rng, qts[0], d_ff, d_model),
+        random_weights(rng, qts[1], d_ff, d_model),
+        random_weights(rng, qts[2], d_model, d_ff),
+    )
+    x = (0.5 * rng.standard_normal((n, d_model))).astype(np.float32)
+    rw = rng.uniform(0.1, 1, n).astype(np.float32)
+    bias = rng.standard_normal(d_model).astype(np.float32)
+
+    def ffn(rows: slice, nt: int = 0, bias: np.ndarray | None = None) -> np.ndarray:
+        xs = np.ascontiguousarray(x[rows])
+        return ops.expert_ffn_q8k(
+            np.empty_like(xs), xs, g, u, d, types, d_model, d_ff, down_bias=bias,
+            row_weight=np.ascontiguousarray(rw[rows]), accumulate=False, nthreads=nt,
+        )  # fmt: skip
+
+    want, slack = _ffn_reference(x, gf, uf, df, rw)
+    y = ffn(slice(0, n))
+    assert np.linalg.norm(y - want) <= FFN_TOL * np.linalg.norm(want) + slack
+    ops.set_isa(ops.ISA.SCALAR)
+    bits = ffn(slice(0, n), 1, bias).view(np.uint32)
+    for isa in ISAS:
+        ops.set_isa(isa)
+        for nt in (1, 2):
+            np.testing.assert_array_equal(ffn(slice(0, n), nt, bias).view(np.uint32), bits)
+        for i in range(n):
+            np.testing.assert_array_equal(
+                ffn(slice(i, i + 1), 0, bias).view(np.uint32), bits[i : i + 1]
+            )
+    with pytest.raises(KernelError, match="must be Q4_K, Q5_K or Q6_K"):
+        ops.expert_ffn_q8k(np.empty_like(x), x, g, u, d, ("q4_k", "q4_0", "q6_k"), d_model, d_ff)
