@@ -59,3 +59,12 @@ def test_cli_rejects_unknown_section(capsys):
 
     assert main(["bench", "--sections", "limits,nope", "--out", "/nonexistent/x"]) == 2
     assert "unknown section" in capsys.readouterr().err
+
+
+def test_tool_names_the_missing_checkout_script(monkeypatch, tmp_path):
+    from colibri.bench import report
+
+    assert report.tool("synth_store.py").endswith("tools/synth_store.py")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"tools/synth_store\.py not found.*checkout"):
+        report.tool("synth_store.py")

@@ -38,19 +38,19 @@ from typing import Any
 
 import numpy as np
 
+from colibri.bench.report import tool
 from colibri.engine import open_engine
 from colibri.io.format import open_store
 from colibri.machine import bounds, rate, storage_seconds  # noqa: F401 (bounds live there)
 from colibri.registry import model_spec
 from colibri.run import parse_size, size_arg
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/ is there
 STORES = Path("/tmp/stores")
 
 
 def synth_command(path: Path, model: str, layers: int | None, quant: str = "q4_0") -> list[str]:
     """The tools/synth_store.py command that makes `path`."""
-    cmd = [sys.executable, str(ROOT / "tools/synth_store.py"), model, str(path), "--quant", quant]
+    cmd = [sys.executable, tool("synth_store.py"), model, str(path), "--quant", quant]
     return cmd + (["--layers", str(layers)] if layers else [])
 
 

@@ -31,6 +31,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/ is there
 
 
+def tool(name: str) -> str:
+    """The path of the checkout's tools/`name` (synth_store.py: the synthetic stores). Raises
+    FileNotFoundError naming it when colibri runs without its source checkout."""
+    path = ROOT / "tools" / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: the benchmarks' helper scripts are in colibri's source "
+            "checkout (tools/); run colibri bench from a checkout (./run.sh installs it)"
+        )
+    return str(path)
+
+
 @dataclass
 class Headline:
     """One row of the report's headline table: colibri vs llama.cpp vs the physical limit.

@@ -34,7 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from colibri.bench import llama_cpp, sec_limits
-from colibri.bench.report import ROOT, Context, Headline, Section, fmt, interleave, median, table
+from colibri.bench.report import (
+    ROOT,
+    Context,
+    Headline,
+    Section,
+    fmt,
+    interleave,
+    median,
+    table,
+    tool,
+)
 
 TITLE = "llama.cpp on the same weights"
 MODEL = "mixtral-8x7b"
@@ -216,7 +226,7 @@ def ensure_model(
         return None, None, f"not enough free space under {ctx.work} ({need / 1e9:.1f} GB needed)"
     if not (store / "manifest.json").exists():
         ctx.log(f"making {store.name} (~{est / 1e9:.1f} GB)")
-        cmd = [sys.executable, str(ROOT / "tools/synth_store.py"), MODEL, str(store),
+        cmd = [sys.executable, tool("synth_store.py"), MODEL, str(store),
                "--layers", str(layers), "--force"]  # fmt: skip
         ctx.run(["nice", *cmd])
     if want_gguf and not gguf.exists():

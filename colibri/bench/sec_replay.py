@@ -27,7 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from colibri.bench.report import ROOT, Context, Headline, Section, interleave, median, table
+from colibri.bench.report import (
+    ROOT,
+    Context,
+    Headline,
+    Section,
+    interleave,
+    median,
+    table,
+    tool,
+)
 from colibri.io.format import ExpertLayout
 from colibri.io.replay import SyntheticStore, offline_report, replay, simulate
 from colibri.io.trace import RoutingTrace, load_mixtral_jsonl
@@ -191,7 +200,7 @@ def prefetch_recall(ctx: Context) -> tuple[list[dict[str, Any]], list[str]]:
     if not (olmoe / "manifest.json").exists():
         need = (0.3 + 0.22 * layers) * 2**30
         if ctx.free_bytes() > need + 2**30:
-            ctx.run([sys.executable, str(ROOT / "tools" / "synth_store.py"), "olmoe-1b-7b",
+            ctx.run([sys.executable, tool("synth_store.py"), "olmoe-1b-7b",
                      str(olmoe), "--layers", str(layers), "--force"])  # fmt: skip
         else:
             notes.append(f"synthetic OLMoE store skipped: {ctx.free_bytes() / 2**30:.1f} GiB free")

@@ -176,7 +176,7 @@ class NextUsePolicy:
     decaying by halflife h visits of l: the short one (`halflife`, default 0.5) is routing's
     token-to-token reuse (what LRU catches), the long one (`long_halflife`, 16) each expert's
     popularity (what LFU catches); w = `weight` (0.5). Measured on the real Mixtral-8x7B
-    trace and on colibri's own traces (README "Cache policy").
+    trace and on colibri's own traces (README, Benchmarks, "Cache policy").
 
     Layer l's clock is its own visit count, so the order of p within a layer changes only
     when l is visited or its residents change: each layer's least likely resident is kept
