@@ -436,20 +436,19 @@ async def perplexity(
             lp = log_softmax(rows)
             idx = np.arange(len(targets))
             nll.append(-lp[idx, targets])
-            if ref is not None:
-                ref_rows = ref[0][b]
-                ref_lp = log_softmax(ref_rows)
-                kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=1))
-                top1.append(ref_rows.argmax(axis=1) == rows.argmax(axis=1))
-                ref_nll.append(-ref_lp[idx, targets])
-                if routing:
-                    assert got[1] is not None and ref[1] is not None
-                    a = np.sort(got[1][b][:, moe], axis=-1)
-                    r = np.sort(ref[1][b][:, moe], axis=-1)
-                    same += (a == r).all(axis=-1).sum(axis=0)
-                    k = a.shape[-1]
-                    overlap += (a[..., :, None] == r[..., None, :]).any(-1).sum(-1).sum(0) / k
-                    routed += a.shape[0]
+            ref_rows = ref[0][b]
+            ref_lp = log_softmax(ref_rows)
+            kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=1))
+            top1.append(ref_rows.argmax(axis=1) == rows.argmax(axis=1))
+            ref_nll.append(-ref_lp[idx, targets])
+            if routing:
+                assert got[1] is not None and ref[1] is not None
+                a = np.sort(got[1][b][:, moe], axis=-1)
+                r = np.sort(ref[1][b][:, moe], axis=-1)
+                same += (a == r).all(axis=-1).sum(axis=0)
+                k = a.shape[-1]
+                overlap += (a[..., :, None] == r[..., None, :]).any(-1).sum(-1).sum(0) / k
+                routed += a.shape[0]
         if progress is not None:
             progress(len(batch))
     res = PerplexityResult(np.concatenate(nll), counters, moe_layers=moe)
