@@ -69,6 +69,9 @@ class Pipeline:
         self.route_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
+        # DeepSeek-V4 hash-routed layers: their experts are a function of the token ids, so
+        # the prefetcher is told all of them when the tokens arrive (perfect prediction)
+        self._hash_layers = [s.index for s in model.spec.layers if getattr(s, "hash_routed", 0)]
 
     def close(self) -> None:
         if self._own_executor:
@@ -152,6 +155,11 @@ class Pipeline:
         if self.prefetcher is not None:
             self.prefetcher.new_token()
         xs = await self._run(self._embed, [t for t, _ in batch])
+        toks = [np.asarray(t, dtype=np.int64) for t, _ in batch]
+        if self.prefetcher is not None and self.prefetcher.enabled and self._hash_layers:
+            every = np.concatenate(toks)
+            for j in self._hash_layers:
+                self.prefetcher.predict(j, np.unique(m.hash_experts(j, every)).tolist())
         stacked = None
         if self.fused:  # one array, each sequence's rows a view into it
             stacked = np.concatenate(xs)
@@ -164,8 +172,8 @@ class Pipeline:
             if not spec.moe:  # a dense layer: one trip to the compute thread
                 await self._run(self._dense_layers, i, xs, kvs, pos0)
                 continue
-            routed, predicted = await self._run(
-                self._attention_and_route, i, xs, kvs, pos0, stacked
+            routed, predicted, mixes = await self._run(
+                self._attention_and_route, i, xs, kvs, pos0, stacked, toks
             )
             if self.tracer is not None:
                 t0 = self._traced
@@ -184,7 +192,13 @@ class Pipeline:
             records += len(experts)
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
-            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
+            if mixes is None:
+                await self._moe(i, xs if stacked is None else [stacked], routed, experts)
+            else:  # hyper-connections: the FFN output goes into the streams through the mix
+                outs = [np.zeros(h.shape, dtype=np.float32) for h, _, _ in routed]
+                await self._moe(i, outs, routed, experts)
+                resid = xs if stacked is None else [stacked]
+                await self._run(self._ffn_residuals, resid, outs, mixes)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
@@ -228,6 +242,12 @@ class Pipeline:
         m.dense_ffn(i, m.post_norm(i, x), out)
         x += out
 
+    def _ffn_residuals(
+        self, xs: list[np.ndarray], outs: list[np.ndarray], mixes: list[Any]
+    ) -> None:
+        for x, y, mix in zip(xs, outs, mixes, strict=True):
+            self.model.ffn_residual(x, y, mix)
+
     def _attention_and_route(
         self,
         i: int,
@@ -235,36 +255,50 @@ class Pipeline:
         kvs: list[KVCache],
         pos0: list[int],
         stacked: np.ndarray | None = None,
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, list[int]] | None]:
+        tokens: list[np.ndarray] | None = None,
+    ) -> tuple[
+        list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        tuple[int, list[int]] | None,
+        list[Any] | None,
+    ]:
         """Per sequence: attention, the FFN input h and the routing (ids int32 [n, k],
-        weights f32 [n, k]) of MoE layer i; and the union of what the next MoE layer's router
-        predicts (one trip to the compute thread). With `stacked` (fused batches: xs are
-        views into it), the attention is per sequence and the rest runs once over all rows:
-        one (h, ids, weights) entry for the whole batch."""
+        weights f32 [n, k]) of MoE layer i; the union of what the next MoE layer's router
+        predicts (one trip to the compute thread); and, with hyper-connections (DeepSeek-V4),
+        each entry's mix for Model.ffn_residual (else None). With `stacked` (fused batches:
+        xs are views into it), the attention is per sequence and the rest runs once over all
+        rows: one (h, ids, weights) entry for the whole batch. tokens: each sequence's token
+        ids (hash-routed layers choose by them)."""
         m = self.model
         nxt = None
         if self.prefetcher is not None and self.prefetcher.enabled:
             nxt = next((j for j in self._moe_layers if j > i), None)
+            if nxt in self._hash_layers:  # already predicted exactly from the tokens
+                nxt = None
+        hc = getattr(m.spec, "hc", None) is not None
+        if tokens is None:
+            tokens = [None] * len(xs)  # type: ignore[list-item]
         if stacked is not None:
             for x, kv, p in zip(xs, kvs, pos0, strict=True):
                 m.attention(i, x, kv, p)
-            h = m.post_norm(i, stacked)
+            h, mix = m.ffn_input(i, stacked)
             predicted = None
             if nxt is not None:
                 guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
                 predicted = (nxt, np.unique(guess).tolist())
-            return [(h, *m.route(i, h))], predicted
-        routed, guesses = [], []
-        for x, kv, p in zip(xs, kvs, pos0, strict=True):
+            every = None if tokens[0] is None else np.concatenate(tokens)
+            return [(h, *m.route(i, h, every))], predicted, [mix] if hc else None
+        routed, guesses, mixes = [], [], []
+        for x, kv, p, tok in zip(xs, kvs, pos0, tokens, strict=True):
             m.attention(i, x, kv, p)
-            h = m.post_norm(i, x)
-            routed.append((h, *m.route(i, h)))
+            h, mix = m.ffn_input(i, x)
+            mixes.append(mix)
+            routed.append((h, *m.route(i, h, tok)))
             if nxt is not None:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
                 guesses.append(m.route(nxt, m.post_norm(nxt, x))[0].ravel())
         predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
-        return routed, predicted
+        return routed, predicted, mixes if hc else None
 
     async def _moe(
         self,

@@ -140,6 +140,7 @@ class Act(enum.IntEnum):
     SILU = 0
     GELU = 1
     SWIGLU_OAI = 2
+    SILU_CLAMP = 3
 
 
 def _nbytes(buf: Buffer, name: str) -> int:
@@ -385,8 +386,9 @@ def expert_ffn(
     [d_model, d_ff] in `qtype`, any C-contiguous buffers (e.g. numpy views into a slab slot,
     no copies). act: "silu" (SwiGLU), "gelu" (tanh approximation) or "swiglu_oai" (gpt-oss:
     g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF
-    GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
-    (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
+    GptOssExperts) or "silu_clamp" (DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit,
+    limit), as HF DeepseekV4Experts). Biases float32 [d_ff] / [d_ff] / [d_model], added before
+    the activation (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
     accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (None: a
     per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
     h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
