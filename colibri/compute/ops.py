@@ -389,8 +389,8 @@ def expert_ffn(
     GptOssExperts) or "silu_clamp" (DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit,
     limit), as HF DeepseekV4Experts). Biases float32 [d_ff] / [d_ff] / [d_model], added before
     the activation (gate, up) or the routing weight (down). row_weight float32 [n] scales each
-    row's output. accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (None: a
-    per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
+    row's output. accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff
+    elements (None: a per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
     h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
     scratch is a per-thread buffer kept between calls). qtypes: (gate, up, down) storage types
     when they differ (a record of a mixed GGUF quant); `qtype` is then ignored. Returns out.
