@@ -183,7 +183,7 @@ class KVCache:
         per_token = 0
         for layer in spec.layers:
             a = layer.attention
-            if a.shared_kv is not None:  # one K=V row, the compressor's entries
+            if getattr(a, "shared_kv", None) is not None:  # one K=V row, the entries
                 c = a.shared_kv.compressor
                 per_token += a.head_dim * (1 + (1 / c.compress_rate if c else 0))
             elif a.mla is not None:
@@ -210,7 +210,7 @@ class KVCache:
             x = a.indexer
             own = x is not None and not x.shared
             index_k.append(np.zeros((n_ctx, x.index_head_dim), dtype=dtype) if own else None)
-            v4 = a.shared_kv
+            v4 = getattr(a, "shared_kv", None)  # stand-in specs (tests) may lack it
             for key, c in (("cmp", v4 and v4.compressor), ("idx", v4 and v4.index_compressor)):
                 width = c.head_dim * (1 + c.overlap) if c else 0
                 bufs[key].append(
@@ -237,7 +237,7 @@ class KVCache:
                 k.append(np.zeros((0, 1, 1), dtype=dtype))
                 v.append(k[-1])
                 continue
-            if a.shared_kv is not None:  # DeepSeek-V4: K = V, one head
+            if v4 is not None:  # DeepSeek-V4: K = V, one head
                 k.append(np.zeros((n_ctx, 1, a.head_dim), dtype=dtype))
                 v.append(k[-1])
                 continue
