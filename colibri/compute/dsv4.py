@@ -68,13 +68,21 @@ def hc_weights(
 
 def hc_collapse(x: np.ndarray, pre: np.ndarray) -> np.ndarray:
     """sum_j pre[:, j] * x[:, j]: streams x f32 [n, N, d] -> f32 [n, d]."""
-    return np.ascontiguousarray((pre[:, :, None] * x).sum(axis=1, dtype=np.float32))
+    out = pre[:, 0, None] * x[:, 0]
+    for j in range(1, x.shape[1]):  # N axpys: numpy's reduction over a short axis is slow
+        out += pre[:, j, None] * x[:, j]
+    return out
 
 
 def hc_expand(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> None:
     """x[:, k] = post[:, k] * y + sum_j comb[:, j, k] * x[:, j], in place (x f32 [n, N, d],
     the block output y f32 [n, d])."""
-    x[...] = post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), x)
+    old = x.copy()
+    for k in range(x.shape[1]):  # N * N axpys (a batched [N, N] @ [N, d] matmul is slower)
+        acc = post[:, k, None] * y
+        for j in range(x.shape[1]):
+            acc += comb[:, j, k, None] * old[:, j]
+        x[:, k] = acc
 
 
 def hc_head(
