@@ -147,13 +147,14 @@ def _config(store):
     return open_store(store).config
 
 
-def test_fused_batch_matches_each_sequence_alone(v4):
+@pytest.mark.parametrize("batch", ["split", "fused"])
+def test_batched_forward_matches_each_sequence_alone(v4, batch):
     """The scheduler's batched forward (batch="fused": one stacked array of residual
-    streams) gives each sequence exactly the logits it gets alone."""
+    streams; "split": per sequence) gives each sequence exactly the logits it gets alone."""
     _model, store, ids, _ref = v4
 
     async def run():
-        async with open_engine(store, activations="f32", batch="fused") as eng:
+        async with open_engine(store, activations="f32", batch=batch) as eng:
             alone = []
             for toks in (ids[:13], ids[13:40]):
                 alone.append(await eng.forward(eng.new_sequence(), toks))
