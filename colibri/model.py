@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -125,13 +126,14 @@ class KVCache:
     their k/v entries are empty, and conv/recurrent are None for attention layers. That state
     summarises every token so far: a sequence can grow but never be cut back (`length` only
     moves forward on hybrid models).
-    DeepSeek-V4 layers (spec.SharedKVSpec) keep one K=V row per position in k[layer] (is
-    v[layer], [n_ctx, 1, head_dim]); with a compressor, compressed[layer] [n_ctx // rate + 1,
-    head_dim] holds its entries and compress_buf[layer] [2, 2, rate, width] the raw rows of the
-    last two windows (spec.CompressorSpec); a CSA layer's indexer keeps its entries in
-    index_k[layer] and its window rows in index_buf[layer]. The window rows summarise the
-    positions since the last entries: like Gated DeltaNet state, only snapshot() / restore()
-    take such a sequence back.
+    DeepSeek-V4 layers (spec.SharedKVSpec) keep the K=V rows of the last sliding_window
+    positions in k[layer] (is v[layer]), a ring [min(sliding_window, n_ctx), 1, head_dim]
+    (position p in row p % rows); with a compressor, compressed[layer] [n_ctx // rate + 1,
+    head_dim] (f32) holds its entries and compress_buf[layer] [2, 2, rate, width] (f32) the raw
+    rows of the last two windows (spec.CompressorSpec); a CSA layer's indexer keeps its entries
+    in index_k[layer] [n_ctx // rate + 1, index_head_dim] and its window rows in
+    index_buf[layer]. Ring and window rows summarise the recent positions: like Gated DeltaNet
+    state, only snapshot() / restore() take such a sequence back (they copy them).
     """
 
     k: list[np.ndarray]
@@ -145,21 +147,21 @@ class KVCache:
     compressed: list[np.ndarray | None] = field(default_factory=list)
     compress_buf: list[np.ndarray | None] = field(default_factory=list)
     index_buf: list[np.ndarray | None] = field(default_factory=list)
+    ring: bool = False  # DeepSeek-V4: k / v are rings of the window's rows
 
     @property
     def recurrent_state(self) -> bool:
         """Whether the cache holds Gated DeltaNet state or DeepSeek-V4 compressor windows,
         which cannot be cut back."""
-        return any(c is not None for c in self.conv) or any(
-            b is not None for b in self.compress_buf
-        )
+        return any(c is not None for c in self.conv) or self.ring
 
     def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
         """(length, copies of the conv / recurrent state): what restore() needs to return
         here later (keys and values before `length` are never overwritten by later tokens)."""
         copy = [None if a is None else a.copy() for a in self.conv]
-        if any(b is not None for b in self.compress_buf):  # DeepSeek-V4 compressor windows
+        if self.ring:  # DeepSeek-V4: compressor windows and window rings
             bufs = [None if b is None else b.copy() for b in self.compress_buf + self.index_buf]
+            bufs += [k.copy() for k in self.k]  # the window rings
             recurrent = [None if a is None else a.copy() for a in self.recurrent]
             return self.length, copy, recurrent, bufs  # type: ignore[return-value]
         return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
@@ -172,27 +174,28 @@ class KVCache:
         for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
             if dst is not None:
                 dst[...] = src
-        for dst, src in zip(self.compress_buf + self.index_buf, *bufs, strict=True):
-            if dst is not None:
-                dst[...] = src
+        if bufs:  # DeepSeek-V4: the compressor windows and the window rings
+            for dst, src in zip(self.compress_buf + self.index_buf + self.k, bufs[0], strict=True):
+                if dst is not None:
+                    dst[...] = src
         self.length = length
 
     @staticmethod
     def nbytes_for(spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> int:
         """Bytes `allocate(spec, n_ctx, dtype)` would take (computed, nothing allocated)."""
-        per_token = 0
+        per_token, fixed = 0, 0
         for layer in spec.layers:
             a = layer.attention
-            if getattr(a, "shared_kv", None) is not None:  # one K=V row, the entries
-                c = a.shared_kv.compressor
-                per_token += a.head_dim * (1 + (1 / c.compress_rate if c else 0))
-            elif a.mla is not None:
+            if getattr(a, "shared_kv", None) is not None:  # DeepSeek-V4: its own arrays
+                fixed += _v4_cache_nbytes(a, n_ctx, np.dtype(dtype).itemsize)
+                continue
+            if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
             else:
                 per_token += a.n_kv_heads * (a.head_dim + a.v_head_dim)
             if a.indexer is not None and not a.indexer.shared:  # DSA indexer keys
                 per_token += a.indexer.index_head_dim
-        return int(per_token * n_ctx * np.dtype(dtype).itemsize)
+        return per_token * n_ctx * np.dtype(dtype).itemsize + fixed
 
     @classmethod
     def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
@@ -209,8 +212,9 @@ class KVCache:
             g = layer.linear_attn
             x = a.indexer
             own = x is not None and not x.shared
-            index_k.append(np.zeros((n_ctx, x.index_head_dim), dtype=dtype) if own else None)
             v4 = getattr(a, "shared_kv", None)  # stand-in specs (tests) may lack it
+            rows = n_ctx if v4 is None or v4.index_compressor is None else _v4_entries(v4, n_ctx)
+            index_k.append(np.zeros((rows, x.index_head_dim), dtype=dtype) if own else None)
             for key, c in (("cmp", v4 and v4.compressor), ("idx", v4 and v4.index_compressor)):
                 width = c.head_dim * (1 + c.overlap) if c else 0
                 bufs[key].append(
@@ -218,7 +222,7 @@ class KVCache:
                 )
             c = v4.compressor if v4 is not None else None
             compressed.append(
-                np.zeros((n_ctx // c.compress_rate + 1, a.head_dim), np.float32) if c else None
+                np.zeros((_v4_entries(v4, n_ctx), a.head_dim), np.float32) if c else None
             )
             conv.append(
                 None
@@ -237,8 +241,8 @@ class KVCache:
                 k.append(np.zeros((0, 1, 1), dtype=dtype))
                 v.append(k[-1])
                 continue
-            if v4 is not None:  # DeepSeek-V4: K = V, one head
-                k.append(np.zeros((n_ctx, 1, a.head_dim), dtype=dtype))
+            if v4 is not None:  # DeepSeek-V4: K = V, one head, a ring of the window's rows
+                k.append(np.zeros((min(v4.sliding_window, n_ctx), 1, a.head_dim), dtype=dtype))
                 v.append(k[-1])
                 continue
             if a.mla is not None:
@@ -251,6 +255,7 @@ class KVCache:
         return cls(
             k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k,
             compressed=compressed, compress_buf=bufs["cmp"], index_buf=bufs["idx"],
+            ring=any(getattr(s.attention, "shared_kv", None) for s in spec.layers),
         )  # fmt: skip
 
     @property
@@ -263,6 +268,25 @@ class KVCache:
             if a is not None
         }  # fmt: skip
         return sum(a.nbytes for a in arrays.values())
+
+
+def _v4_entries(v4: Any, n_ctx: int) -> int:
+    """Rows of a DeepSeek-V4 layer's compressed-entry arrays for n_ctx positions."""
+    return n_ctx // v4.compressor.compress_rate + 1
+
+
+def _v4_cache_nbytes(a: AttentionSpec, n_ctx: int, itemsize: int) -> int:
+    """Bytes of one DeepSeek-V4 layer's KVCache arrays (KVCache.allocate's)."""
+    v4 = a.shared_kv
+    total = min(v4.sliding_window, n_ctx) * a.head_dim * itemsize
+    for c in (v4.compressor, v4.index_compressor):
+        if c is not None:
+            total += 2 * 2 * c.compress_rate * c.head_dim * (1 + c.overlap) * 4
+    if v4.compressor is not None:
+        total += _v4_entries(v4, n_ctx) * a.head_dim * 4
+    if v4.index_compressor is not None:
+        total += _v4_entries(v4, n_ctx) * v4.index_compressor.head_dim * itemsize
+    return total
 
 
 class Model:
@@ -1012,7 +1036,13 @@ class Model:
         ops.rmsnorm(k, k, w["kv_norm"], eps)
         k = k.reshape(n, 1, hd)
         dsv4.rope_tail(k, pos, a)
-        kv.k[i][pos0 : pos0 + n] = k
+        # the window's rows: positions base .. pos0 + n - 1 (ring rows, then this chunk's, as
+        # the cache's dtype holds them), and the chunk's last rows into the ring
+        ring, base = kv.k[i], max(0, pos0 - a.window + 1)
+        k = k.astype(ring.dtype)
+        rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], k]).astype(np.float32)
+        keep = min(n, len(ring))
+        ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = k[n - keep :]
         entries, chosen = None, None
         for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
             if c is None:
@@ -1033,7 +1063,7 @@ class Model:
                 iq, weights, kv.index_k[i], pos0, v.index_compressor.compress_rate,
                 x.index_topk, x.index_head_dim, nthreads=t,
             )  # fmt: skip
-        out = dsv4.attend(q, kv.k[i], entries, chosen, pos0, a, w["sinks"], nthreads=t)
+        out = dsv4.attend(q, rows, base, entries, chosen, pos0, a, w["sinks"], nthreads=t)
         dsv4.rope_tail(out, pos, a, inverse=True)
         return dsv4.grouped_output(
             out.reshape(n, H * hd), tuple(lambda z, g=g: g(z, nthreads=t) for g in w["o_a"]),

@@ -173,34 +173,36 @@ def select(
 
 
 def attend(
-    q: np.ndarray, cache: np.ndarray, entries: np.ndarray | None, chosen: list[np.ndarray] | None,
-    pos0: int, a: AttentionSpec, sinks: np.ndarray, nthreads: int = 0,
+    q: np.ndarray, rows: np.ndarray, base: int, entries: np.ndarray | None,
+    chosen: list[np.ndarray] | None, pos0: int, a: AttentionSpec, sinks: np.ndarray,
+    nthreads: int = 0,
 ) -> np.ndarray:  # fmt: skip
     """Shared-KV attention (DeepseekV4Attention's eager path) of queries q f32 [n, H, D] at
-    positions pos0..: each attends, with the per-head sinks, to the cached K=V rows of the
-    last a.window positions (cache f32 [n_ctx, 1, D]) and the compressed entries chosen for
-    it (chosen[s] ids into entries [E, D]; chosen None: every entry it may see,
-    w < (pos + 1) // compress_rate; entries None: none). Returns f32 [n, H, D]."""
+    positions pos0..: each attends, with the per-head sinks, to the K=V rows of the last
+    a.window positions (rows f32 [m, 1, D] of positions base .. pos0 + n - 1) and the
+    compressed entries chosen for it (chosen[s] ids into entries [E, D]; chosen None: every
+    entry it may see, w < (pos + 1) // compress_rate; entries None: none).
+    Returns f32 [n, H, D]."""
     n = q.shape[0]
     out = np.empty_like(q)
     v = a.shared_kv
     assert v is not None
     if entries is None:
         ops.attention(
-            out, q, cache, cache, n_kv=pos0 + n, q_pos0=pos0, scale=a.scale, window=a.window,
-            sinks=sinks, nthreads=nthreads,
+            out, q, rows, rows, n_kv=len(rows), q_pos0=pos0 - base, scale=a.scale,
+            window=a.window, sinks=sinks, nthreads=nthreads,
         )  # fmt: skip
         return out
     rate = v.compressor.compress_rate if v.compressor is not None else 1
     for s in range(n):
         p = pos0 + s
-        lo = max(0, p - a.window + 1)
+        lo = max(base, p - a.window + 1)
         ids = np.arange((p + 1) // rate) if chosen is None else chosen[s]
-        rows = np.concatenate([cache[lo : p + 1, 0], entries[ids]])[:, None, :]
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        k = rows.shape[0]
+        keys = np.concatenate([rows[lo - base : p - base + 1, 0], entries[ids]])[:, None, :]
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        k = keys.shape[0]
         ops.attention(
-            out[s : s + 1], np.ascontiguousarray(q[s : s + 1]), rows, rows, n_kv=k,
+            out[s : s + 1], np.ascontiguousarray(q[s : s + 1]), keys, keys, n_kv=k,
             q_pos0=k - 1, scale=a.scale, sinks=sinks, nthreads=nthreads,
         )  # fmt: skip
     return out
