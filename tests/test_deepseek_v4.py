@@ -230,3 +230,23 @@ def test_session_reopened_continues_exactly(v4, tmp_path):
 
     want = asyncio.run(first())
     np.testing.assert_array_equal(asyncio.run(reopened()), want)
+
+
+def test_transformers_layout_converts_to_the_same_store(v4, tmp_path):
+    """A checkpoint saved in transformers' own layout (module names, fused gate_up_proj
+    experts) converts to the same tensor names and runs to the same logits as the original
+    spelling save_pretrained writes by default."""
+    from colibri.io.format import open_store
+
+    model, store, ids, _ref = v4
+    src = hf_models.save(model, tmp_path / "hf", save_original_format=False)
+    assert any(".mlp.experts.gate_up_proj" in p.read_text(errors="ignore")[:100000]
+               for p in src.glob("*.safetensors"))  # fmt: skip
+    convert(src, tmp_path / "s", quant="f32", dense_quant="f32")
+    assert open_store(tmp_path / "s").dense_names() == open_store(store).dense_names()
+
+    async def run(path):
+        async with open_engine(path, activations="f32") as eng:
+            return await eng.forward(eng.new_sequence(), ids)
+
+    np.testing.assert_array_equal(asyncio.run(run(tmp_path / "s")), asyncio.run(run(store)))
