@@ -382,19 +382,20 @@ def expert_ffn(
 ) -> np.ndarray:
     """One routed expert on n token rows: out (+)= row_weight * down(act(gate x, up x)).
 
-    x, out: float32 [d_model] or [n, d_model]. gate, up: [d_ff, d_model] and down: [d_model, d_ff]
-    in `qtype`, any C-contiguous buffers (e.g. numpy views into a slab slot, no copies). act: "silu"
-    (SwiGLU), "gelu" (tanh approximation) or "swiglu_oai" (gpt-oss: g = min(g, limit), u = clamp(u,
-    -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF GptOssExperts) or "silu_clamp"
-    (DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit, limit), as HF DeepseekV4Experts). Biases
-    float32 [d_ff] / [d_ff] / [d_model], added before the activation (gate, up) or the routing
-    weight (down). row_weight float32 [n] scales each row's output. accumulate=False overwrites out.
-    scratch float32 with >= 2 * n * d_ff elements (None: a per-thread buffer kept between calls).
-    act_q8=True (Q4_0 / Q8_0 weights only): x and h are quantized to Q8_0 and the matmuls are
-    integer dots as in matmul_q8 (its small Q8_0 scratch is a per-thread buffer kept between calls).
-    qtypes: (gate, up, down) storage types when they differ (a record of a mixed GGUF quant);
-    `qtype` is then ignored. Returns out. Raises KernelError on bad shapes, or act_q8 with a weight
-    type outside Q8_ACT_TYPES.
+    x, out: float32 [d_model] or [n, d_model]. gate, up: [d_ff, d_model] and down:
+    [d_model, d_ff] in `qtype`, any C-contiguous buffers (e.g. numpy views into a slab slot,
+    no copies). act: "silu" (SwiGLU), "gelu" (tanh approximation) or "swiglu_oai" (gpt-oss:
+    g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as HF
+    GptOssExperts). Biases float32 [d_ff] / [d_ff] / [d_model], added before the activation
+    (gate, up) or the routing weight (down). row_weight float32 [n] scales each row's output.
+    accumulate=False overwrites out. scratch float32 with >= 2 * n * d_ff elements (None: a
+    per-thread buffer kept between calls). act_q8=True (Q4_0 / Q8_0 weights only): x and
+    h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
+    scratch is a per-thread buffer kept between calls). qtypes: (gate, up, down) storage types
+    when they differ (a record of a mixed GGUF quant); `qtype` is then ignored. Returns out.
+    act "silu_clamp" (DeepSeek-V4, HF DeepseekV4Experts): silu(min(g, limit)) *
+    clamp(u, -limit, limit).
+    Raises KernelError on bad shapes, or act_q8 with a weight type outside Q8_ACT_TYPES.
     """
     if qtypes is not None:
         return _expert_ffn_mixed(
