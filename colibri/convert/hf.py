@@ -335,7 +335,8 @@ def plan_dense(
     out = []
     for name in sorted(stored, key=lambda x: _sort_key(stored[x])):
         layer = _layer_of(stored[name])
-        if layer >= n + mtp or (layer < 0 and not stored[name].startswith(("model.", "lm_head."))):
+        top = ("model.", "lm_head.", f"{spec.lm_head}.")  # DeepSeek-V4's is `head`
+        if layer >= n + mtp or (layer < 0 and not stored[name].startswith(top)):
             raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation

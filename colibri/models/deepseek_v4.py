@@ -15,8 +15,8 @@ always renormalised (norm_topk_prob is not read) and scaled by routed_scaling_fa
 expert whatever n_shared_experts says, no dense layers. Multi-token-prediction layers are dropped.
 
 Stored names are the checkpoint's original spelling, which transformers' save_pretrained writes
-(`model.layers.L.attn.wq_a`, `...ffn.experts.E.w1`, `head.weight` -> `lm_head.weight`);
-`renames` maps transformers' own module names onto it.
+(`model.layers.L.attn.wq_a`, `...ffn.experts.E.w1`, `head.weight`); `renames` maps
+transformers' own module names onto it.
 """
 
 from __future__ import annotations
@@ -273,7 +273,9 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
         limit=limit,
         shared_act="silu_clamp",
     )
-    return dataclasses.replace(base_spec(config, layers, moe, "deepseek_v4"), hc=hc)
+    spec = base_spec(config, layers, moe, "deepseek_v4")
+    head = spec.lm_head if spec.lm_head == spec.embed else "head"  # the original `head.weight`
+    return dataclasses.replace(spec, hc=hc, lm_head=head)
 
 
 # transformers 5 module names -> the original (stored) spelling, the inverse of its
@@ -304,7 +306,7 @@ RENAMES = (
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"^head\.weight$", "lm_head.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
 )
 
 _TINY = dict(
