@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from colibri.compute import deltanet, moe, ops
+from colibri.compute import deltanet, dsv4, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
 from colibri.io.format import ExpertLayout, Store
@@ -141,6 +142,14 @@ class KVCache:
     their k/v entries are empty, and conv/recurrent are None for attention layers. That state
     summarises every token so far: a sequence can grow but never be cut back (`length` only
     moves forward on hybrid models).
+    DeepSeek-V4 layers (spec.SharedKVSpec) keep the K=V rows of the last sliding_window
+    positions in k[layer] (is v[layer]), a ring [min(sliding_window, n_ctx), 1, head_dim]
+    (position p in row p % rows); with a compressor, compressed[layer] [n_ctx // rate + 1,
+    head_dim] (f32) holds its entries and compress_buf[layer] [2, 2, rate, width] (f32) the raw
+    rows of the last two windows (spec.CompressorSpec); a CSA layer's indexer keeps its entries
+    in index_k[layer] [n_ctx // rate + 1, index_head_dim] and its window rows in
+    index_buf[layer]. Ring and window rows summarise the recent positions: like Gated DeltaNet
+    state, only snapshot() / restore() take such a sequence back (they copy them).
     """
 
     k: list[np.ndarray]
@@ -151,41 +160,58 @@ class KVCache:
     recurrent: list[np.ndarray | None] = field(default_factory=list)
     index_k: list[np.ndarray | None] = field(default_factory=list)
     index_sel: np.ndarray | None = None
+    compressed: list[np.ndarray | None] = field(default_factory=list)
+    compress_buf: list[np.ndarray | None] = field(default_factory=list)
+    index_buf: list[np.ndarray | None] = field(default_factory=list)
+    ring: bool = False  # DeepSeek-V4: k / v are rings of the window's rows
 
     @property
     def recurrent_state(self) -> bool:
-        """Whether the cache holds Gated DeltaNet state, which cannot be cut back."""
-        return any(c is not None for c in self.conv)
+        """Whether the cache holds Gated DeltaNet state or DeepSeek-V4 compressor windows,
+        which cannot be cut back."""
+        return any(c is not None for c in self.conv) or self.ring
 
     def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
         """(length, copies of the conv / recurrent state): what restore() needs to return
         here later (keys and values before `length` are never overwritten by later tokens)."""
         copy = [None if a is None else a.copy() for a in self.conv]
+        if self.ring:  # DeepSeek-V4: compressor windows and window rings
+            bufs = [None if b is None else b.copy() for b in self.compress_buf + self.index_buf]
+            bufs += [k.copy() for k in self.k]  # the window rings
+            recurrent = [None if a is None else a.copy() for a in self.recurrent]
+            return self.length, copy, recurrent, bufs  # type: ignore[return-value]
         return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
 
     def restore(self, snap: tuple[int, list[np.ndarray | None], list[np.ndarray | None]]) -> None:
         """Return to a snapshot() of this cache taken at a length <= the current one."""
-        length, conv, recurrent = snap
+        length, conv, recurrent, *bufs = snap
         if length > self.length:
             raise ValueError(f"snapshot at {length} tokens is past the cache's {self.length}")
         for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
             if dst is not None:
                 dst[...] = src
+        if bufs:  # DeepSeek-V4: the compressor windows and the window rings
+            for dst, src in zip(self.compress_buf + self.index_buf + self.k, bufs[0], strict=True):
+                if dst is not None:
+                    dst[...] = src
         self.length = length
 
     @staticmethod
     def nbytes_for(spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> int:
         """Bytes `allocate(spec, n_ctx, dtype)` would take (computed, nothing allocated)."""
-        per_token = 0
+        per_token, fixed = 0, 0
         for layer in spec.layers:
             a = layer.attention
+            if getattr(a, "shared_kv", None) is not None:  # DeepSeek-V4: its own arrays
+                fixed += _v4_cache_nbytes(a, n_ctx, np.dtype(dtype).itemsize)
+                continue
             if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
             else:
                 per_token += a.n_kv_heads * (a.head_dim + a.v_head_dim)
             if a.indexer is not None and not a.indexer.shared:  # DSA indexer keys
                 per_token += a.indexer.index_head_dim
-        return per_token * n_ctx * np.dtype(dtype).itemsize
+        return per_token * n_ctx * np.dtype(dtype).itemsize + fixed
 
     @classmethod
     def allocate(cls, spec: ModelSpec, n_ctx: int, dtype: type = np.float32) -> KVCache:
@@ -195,12 +221,25 @@ class KVCache:
         index_k: list[np.ndarray | None] = []
         conv: list[np.ndarray | None] = []
         recurrent: list[np.ndarray | None] = []
+        compressed: list[np.ndarray | None] = []
+        bufs: dict[str, list[np.ndarray | None]] = {"cmp": [], "idx": []}
         for layer in spec.layers:
             a = layer.attention
             g = layer.linear_attn
             x = a.indexer
             own = x is not None and not x.shared
-            index_k.append(np.zeros((n_ctx, x.index_head_dim), dtype=dtype) if own else None)
+            v4 = getattr(a, "shared_kv", None)  # stand-in specs (tests) may lack it
+            rows = n_ctx if v4 is None or v4.index_compressor is None else _v4_entries(v4, n_ctx)
+            index_k.append(np.zeros((rows, x.index_head_dim), dtype=dtype) if own else None)
+            for key, c in (("cmp", v4 and v4.compressor), ("idx", v4 and v4.index_compressor)):
+                width = c.head_dim * (1 + c.overlap) if c else 0
+                bufs[key].append(
+                    np.zeros((2, 2, c.compress_rate, width), np.float32) if c else None
+                )
+            c = v4.compressor if v4 is not None else None
+            compressed.append(
+                np.zeros((_v4_entries(v4, n_ctx), a.head_dim), np.float32) if c else None
+            )
             conv.append(
                 None
                 if g is None
@@ -218,6 +257,10 @@ class KVCache:
                 k.append(np.zeros((0, 1, 1), dtype=dtype))
                 v.append(k[-1])
                 continue
+            if v4 is not None:  # DeepSeek-V4: K = V, one head, a ring of the window's rows
+                k.append(np.zeros((min(v4.sliding_window, n_ctx), 1, a.head_dim), dtype=dtype))
+                v.append(k[-1])
+                continue
             if a.mla is not None:
                 latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
                 k.append(latent)
@@ -225,14 +268,41 @@ class KVCache:
                 continue
             k.append(np.zeros((n_ctx, a.n_kv_heads, a.head_dim), dtype=dtype))
             v.append(np.zeros((n_ctx, a.n_kv_heads, a.v_head_dim), dtype=dtype))
-        return cls(k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k)
+        return cls(
+            k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k,
+            compressed=compressed, compress_buf=bufs["cmp"], index_buf=bufs["idx"],
+            ring=any(getattr(s.attention, "shared_kv", None) for s in spec.layers),
+        )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         arrays = {id(a): a for a in (*self.k, *self.v)}  # MLA layers share one array
         arrays |= {id(a): a for a in (*self.conv, *self.recurrent) if a is not None}
         arrays |= {id(a): a for a in self.index_k if a is not None}
+        arrays |= {
+            id(a): a for a in (*self.compressed, *self.compress_buf, *self.index_buf)
+            if a is not None
+        }  # fmt: skip
         return sum(a.nbytes for a in arrays.values())
+
+
+def _v4_entries(v4: Any, n_ctx: int) -> int:
+    """Rows of a DeepSeek-V4 layer's compressed-entry arrays for n_ctx positions."""
+    return n_ctx // v4.compressor.compress_rate + 1
+
+
+def _v4_cache_nbytes(a: AttentionSpec, n_ctx: int, itemsize: int) -> int:
+    """Bytes of one DeepSeek-V4 layer's KVCache arrays (KVCache.allocate's)."""
+    v4 = a.shared_kv
+    total = min(v4.sliding_window, n_ctx) * a.head_dim * itemsize
+    for c in (v4.compressor, v4.index_compressor):
+        if c is not None:
+            total += 2 * 2 * c.compress_rate * c.head_dim * (1 + c.overlap) * 4
+    if v4.compressor is not None:
+        total += _v4_entries(v4, n_ctx) * a.head_dim * 4
+    if v4.index_compressor is not None:
+        total += _v4_entries(v4, n_ctx) * v4.index_compressor.head_dim * itemsize
+    return total
 
 
 class Model:
@@ -266,6 +336,7 @@ class Model:
         # (0.4 vs 1.3 ms per token and layer at 256 tokens, one thread). Same results.
         self.gdr_chunked = False
         self._names = set(store.dense_names())
+        self.hc_head: tuple[Linear, np.ndarray, np.ndarray] | None = None
         if dense:
             self._load_dense()
         layout = store.layout
@@ -288,6 +359,13 @@ class Model:
             self.final_norm = self.final_norm + np.float32(spec.norm_offset)
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.layers = [self._load_layer(layer) for layer in spec.layers]
+        if spec.hc is not None:  # DeepSeek-V4's hyper-connection head
+            N = spec.hc.hc_mult
+            self.hc_head = (
+                self._f32_linear(spec.hc.head_fn, N, N * spec.d_model),
+                self._vector(spec.hc.head_base, N),
+                self._vector(spec.hc.head_scale, 1),
+            )
 
     def _expert_plan(
         self, layout: ExpertLayout
@@ -328,6 +406,67 @@ class Model:
         lin = Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
         lin.pad = self.pad
         return lin
+
+    def _f32_linear(self, name: str, rows: int, cols: int) -> Linear:
+        """A bare-named 2-D f32 tensor (hyper-connection maps) as a Linear without bias."""
+        w, _ = self._raw(name, (rows, cols), widen=True)
+        return Linear(np.ascontiguousarray(w, dtype=np.float32), _F32, rows, cols, None)
+
+    def _load_shared_kv(self, spec: LayerSpec) -> dict[str, object]:
+        """DeepSeek-V4 attention weights (spec.SharedKVSpec): q_a, q_a_norm, q_b, kv, kv_norm,
+        o_a as one Linear per group (views of its row blocks), o_b; the compressors' wkv, wgate,
+        ape, norm (prefixes cmp_ / idx_cmp_), the indexer's wq_b and weights_proj; the
+        hyper-connection maps; a hash layer's tid2eid (int32 [vocab, top_k], checked)."""
+        a, d, n = spec.attention, self.spec.d_model, spec.names
+        v, H, hd = a.shared_kv, a.n_heads, a.head_dim
+        w: dict[str, object] = {
+            "q_a": self._linear(n["q_a"], v.q_lora_rank, d),
+            "q_a_norm": self._vector(f"{n['q_a_norm']}.weight", v.q_lora_rank),
+            "q_b": self._linear(n["q_b"], H * hd, v.q_lora_rank),
+            "kv": self._linear(n["kv"], hd, d),
+            "kv_norm": self._vector(f"{n['kv_norm']}.weight", hd),
+            "o_b": self._linear(n["o_b"], d, v.o_groups * v.o_lora_rank),
+        }
+        g, r = v.o_groups, v.o_lora_rank
+        o_a = self._linear(n["o_a"], g * r, H * hd // g)
+        groups = []
+        for j in range(g):
+            part = Linear(o_a.w[j * r : (j + 1) * r], o_a.qtype, r, o_a.cols, None, self.act_q8)
+            part.pad = self.pad
+            groups.append(part)
+        w["o_a"] = tuple(groups)
+        for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
+            if c is None:
+                continue
+            width = c.head_dim * (1 + c.overlap)
+            w[f"{pre}_wkv"] = self._linear(n[f"{pre}_wkv"], width, d)
+            w[f"{pre}_wgate"] = self._linear(n[f"{pre}_wgate"], width, d)
+            ape, _ = self._raw(n[f"{pre}_ape"], (c.compress_rate, width), widen=True)
+            w[f"{pre}_ape"] = np.ascontiguousarray(ape, dtype=np.float32)
+            w[f"{pre}_norm"] = self._vector(f"{n[f'{pre}_norm']}.weight", c.head_dim)
+        if v.index_compressor is not None:
+            x = a.indexer
+            w["idx_wq_b"] = self._linear(n["idx_wq_b"], x.index_n_heads * x.index_head_dim,
+                                         v.q_lora_rank)  # fmt: skip
+            w["idx_weights_proj"] = self._linear(n["idx_weights_proj"], x.index_n_heads, d)
+        hc = self.spec.hc
+        if hc is not None:
+            N = hc.hc_mult
+            for b in ("attn", "ffn"):
+                w[f"hc_{b}_fn"] = self._f32_linear(n[f"hc_{b}_fn"], (2 + N) * N, N * d)
+                w[f"hc_{b}_base"] = self._vector(n[f"hc_{b}_base"], (2 + N) * N)
+                w[f"hc_{b}_scale"] = self._vector(n[f"hc_{b}_scale"], 3)
+        if spec.hash_routed:
+            k, E = self.spec.moe.router.top_k, self.spec.moe.router.num_experts
+            table, _ = self._raw(n["tid2eid"], (self.spec.vocab_size, k), widen=True)
+            ids = np.asarray(table, dtype=np.float64)
+            if not (np.isfinite(ids).all() and (ids == np.round(ids)).all()
+                    and ids.min() >= 0 and ids.max() < E):  # fmt: skip
+                raise StoreError(
+                    f"{self.store.path}: {n['tid2eid']} must hold expert ids in [0, {E})"
+                )
+            w["tid2eid"] = ids.astype(np.int32)
+        return w
 
     def _load_mla(self, spec: LayerSpec, absorbed: bool = False) -> dict[str, object]:
         """MLA weights. kv_b_proj [n_heads * (nope + v), kv_lora_rank] stored in a block type
@@ -381,6 +520,8 @@ class Model:
         }
         if spec.linear_attn is not None:
             w |= self._load_linear_attn(spec)
+        elif a.shared_kv is not None:
+            w |= self._load_shared_kv(spec)
         elif a.mla is not None:
             w |= self._load_mla(spec, absorbed=a.indexer is not None)
             if a.indexer is not None:  # absorbed kv_b per head, laid out for ops.matmul
@@ -408,6 +549,8 @@ class Model:
         moe_spec = self.spec.moe
         if spec.moe:
             w["router"] = self._linear(n["router"], moe_spec.router.num_experts, d)
+            if n.get("correction_bias") == f"{n['router']}.bias":  # DeepSeek-V4's gate.bias
+                w["router"].bias = None  # is the correction bias, not the router's
             if "correction_bias" in n:
                 w["correction_bias"] = self._vector(
                     n["correction_bias"], moe_spec.router.num_experts
@@ -473,6 +616,8 @@ class Model:
                 total += sum(i.nbytes for i in items)
         if self.spec.lm_head == self.spec.embed:
             total -= self.lm_head.nbytes
+        if self.hc_head is not None:
+            total += sum(i.nbytes for i in self.hc_head)
         return total
 
     # ---- steps ---------------------------------------------------------------------------
@@ -480,12 +625,20 @@ class Model:
         """tokens int [n] -> f32 [n, d_model]."""
         out = np.empty((len(tokens), self.spec.d_model), dtype=np.float32)
         ops.dequantize(self.embed_w[tokens], self.embed_qtype, out.shape, out=out)
+        if self.spec.hc is not None:  # hyper-connections: hc_mult copies, f32 [n, N, d_model]
+            return np.repeat(out[:, None, :], self.spec.hc.hc_mult, axis=1)
         return out
 
     def attention(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
         """x += attention(input_norm(x)) for layer i; writes the layer's keys/values at
         positions pos0 .. pos0 + n - 1 of kv. x: f32 [n, d_model], updated in place."""
         w, n = self.layers[i], x.shape[0]
+        if self.spec.layers[i].attention.shared_kv is not None:  # DeepSeek-V4, x [n, N, d]
+            pre, post, comb = self._hc(i, "attn", x)
+            h = dsv4.hc_collapse(x, pre)
+            ops.rmsnorm(h, h, w["input_norm"], self.spec.norm_eps)
+            dsv4.hc_expand(x, self._attention_v4(i, h, kv, pos0), post, comb)
+            return
         h = np.empty_like(x)
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
         if self.spec.layers[i].linear_attn is not None:
@@ -507,7 +660,13 @@ class Model:
         weight pass for the batch) and only the attention proper runs per sequence."""
         w, a = self.layers[i], self.spec.layers[i].attention
         lins = [w["qkv"]] if "qkv" in w else [w.get("q"), w.get("k"), w.get("v")]
-        plain = self.spec.layers[i].linear_attn is None and a.indexer is None and a.mla is None
+        plain = (
+            self.spec.layers[i].linear_attn is None
+            and a.indexer is None
+            and a.mla is None
+            and a.shared_kv is None
+            and self.spec.hc is None
+        )
         if len(xs) < 2 or not plain or not all(x.row_invariant for x in [*lins, w["o"]]):
             for x, kv, p in zip(xs, kvs, pos0, strict=True):
                 self.attention(i, x, kv, p)
@@ -871,16 +1030,119 @@ class Model:
         return sel
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
-        """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model]."""
+        """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model] (with
+        hyper-connections, x f32 [n, hc_mult, d_model]: of the streams' collapse)."""
+        if self.spec.hc is not None:
+            return self.ffn_input(i, x)[0]
         h = np.empty_like(x)
         ops.rmsnorm(h, x, self.layers[i]["post_norm"], self.spec.norm_eps)
         return h
 
-    def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Layer i's router on FFN input h: (expert ids int32 [n, k], weights f32 [n, k])."""
+    def ffn_input(
+        self, i: int, x: np.ndarray
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """(FFN input h f32 [n, d_model], mix) of layer i. Hyper-connections (spec.hc): x is
+        the streams f32 [n, hc_mult, d_model], h the normed collapse by the layer's ffn map
+        and mix its (post, comb) for ffn_residual; else h = post_norm(i, x), mix None."""
+        if self.spec.hc is None:
+            return self.post_norm(i, x), None
+        pre, post, comb = self._hc(i, "ffn", x)
+        h = dsv4.hc_collapse(x, pre)
+        ops.rmsnorm(h, h, self.layers[i]["post_norm"], self.spec.norm_eps)
+        return h, (post, comb)
+
+    def ffn_residual(
+        self, x: np.ndarray, y: np.ndarray, mix: tuple[np.ndarray, np.ndarray] | None
+    ) -> None:
+        """The FFN output y f32 [n, d_model] into the residual x, in place: x += y, or with
+        hyper-connections (mix from ffn_input) the streams' expansion and mixing."""
+        if mix is None:
+            x += y
+        else:
+            dsv4.hc_expand(x, y, *mix)
+
+    def _hc(self, i: int, block: str, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        w = self.layers[i]
+        fn = w[f"hc_{block}_fn"]
+        return dsv4.hc_weights(
+            x, lambda t: fn(t, nthreads=self.nthreads), w[f"hc_{block}_base"],
+            w[f"hc_{block}_scale"], self.spec.hc, self.spec.norm_eps,
+        )  # fmt: skip
+
+    def hash_experts(self, i: int, tokens: np.ndarray) -> np.ndarray:
+        """A hash-routed layer's experts (spec.LayerSpec.hash_routed) for token ids int [n]:
+        tid2eid[tokens], int32 [n, top_k]; known before the layer runs."""
+        table = self.layers[i]["tid2eid"]
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= len(table)):
+            raise ValueError(f"token ids must be in [0, {len(table)}) (layer {i}'s tid2eid)")
+        return table[tokens]
+
+    def route(
+        self, i: int, h: np.ndarray, tokens: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Layer i's router on FFN input h: (expert ids int32 [n, k], weights f32 [n, k]).
+        tokens int [n]: the token ids, which a hash-routed layer's choice is (required there)."""
         w = self.layers[i]
         logits = w["router"](h, nthreads=self.nthreads)
-        return moe.route(self.spec.moe.router, logits, w.get("correction_bias"))
+        ids = None
+        if self.spec.layers[i].hash_routed:
+            if tokens is None:
+                raise ValueError(f"layer {i} is hash-routed: route() needs the token ids")
+            ids = self.hash_experts(i, tokens)
+        return moe.route(self.spec.moe.router, logits, w.get("correction_bias"), ids)
+
+    def _attention_v4(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """DeepSeek-V4 attention of layer i (spec.SharedKVSpec) on its normed input h f32
+        [n, d_model]: writes the K=V rows of positions pos0.. and feeds the compressors
+        (kv.compressed / compress_buf, the indexer's kv.index_k / index_buf). Returns the
+        output projection's result f32 [n, d_model]."""
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        v, n, H, hd, t = a.shared_kv, h.shape[0], a.n_heads, a.head_dim, self.nthreads
+        eps = v.norm_eps
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        qa = w["q_a"](h, nthreads=t)
+        ops.rmsnorm(qa, qa, w["q_a_norm"], eps)  # q_residual, also the indexer's input
+        q = w["q_b"](qa, nthreads=t).reshape(n, H, hd)
+        ops.rmsnorm(q, q, None, eps)  # per head, no weight
+        dsv4.rope_tail(q, pos, a)
+        k = w["kv"](h, nthreads=t)
+        ops.rmsnorm(k, k, w["kv_norm"], eps)
+        k = k.reshape(n, 1, hd)
+        dsv4.rope_tail(k, pos, a)
+        # the window's rows: positions base .. pos0 + n - 1 (ring rows, then this chunk's, as
+        # the cache's dtype holds them), and the chunk's last rows into the ring
+        ring, base = kv.k[i], max(0, pos0 - a.window + 1)
+        k = k.astype(ring.dtype)
+        rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], k]).astype(np.float32)
+        keep = min(n, len(ring))
+        ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = k[n - keep :]
+        entries, chosen = None, None
+        for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
+            if c is None:
+                continue
+            store = kv.compressed[i] if pre == "cmp" else kv.index_k[i]
+            buf = kv.compress_buf[i] if pre == "cmp" else kv.index_buf[i]
+            dsv4.compress(
+                c, w[f"{pre}_wkv"](h, nthreads=t), w[f"{pre}_wgate"](h, nthreads=t),
+                w[f"{pre}_ape"], w[f"{pre}_norm"], eps, buf, store, pos0, a,
+            )  # fmt: skip
+            entries = kv.compressed[i]
+        if v.index_compressor is not None:
+            x = a.indexer
+            iq = w["idx_wq_b"](qa, nthreads=t).reshape(n, x.index_n_heads, x.index_head_dim)
+            dsv4.rope_tail(iq, pos, a)
+            weights = w["idx_weights_proj"](h, nthreads=t) * np.float32(x.index_n_heads**-0.5)
+            chosen = dsv4.select(
+                iq, weights, kv.index_k[i], pos0, v.index_compressor.compress_rate,
+                x.index_topk, x.index_head_dim, nthreads=t,
+            )  # fmt: skip
+        out = dsv4.attend(q, rows, base, entries, chosen, pos0, a, w["sinks"], nthreads=t)
+        dsv4.rope_tail(out, pos, a, inverse=True)
+        return dsv4.grouped_output(
+            out.reshape(n, H * hd), tuple(lambda z, g=g: g(z, nthreads=t) for g in w["o_a"]),
+            lambda z: w["o_b"](z, nthreads=t),
+        )  # fmt: skip
 
     def dense_ffn_row_invariant(self, i: int) -> bool:
         """True when dense_ffn(i, ...) computes each row the same bits whatever rows share
@@ -911,6 +1173,7 @@ class Model:
             if kind not in w:
                 continue
             gate, up, down = w[kind]
+            act = self.spec.moe.shared_act if kind == "shared" else "silu"
             y = np.zeros_like(h)
             ops.expert_ffn(
                 y,
@@ -921,7 +1184,8 @@ class Model:
                 gate.qtype,
                 self.spec.d_model,
                 gate.rows,
-                act="silu",
+                act=act,
+                limit=self.spec.moe.limit,
                 accumulate=False,
                 act_q8=gate.act_q8,
                 nthreads=self.nthreads,
@@ -999,7 +1263,14 @@ class Model:
         return y[:m_rows]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size]."""
+        """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size] (with
+        hyper-connections x is the streams f32 [n, hc_mult, d_model], collapsed first)."""
+        if self.hc_head is not None:
+            fn, base, scale = self.hc_head
+            x = dsv4.hc_head(
+                x, lambda t: fn(t, nthreads=self.nthreads), base, scale, self.spec.hc,
+                self.spec.norm_eps,
+            )  # fmt: skip
         h = np.empty_like(x)
         ops.rmsnorm(h, x, self.final_norm, self.spec.norm_eps)
         return self.lm_head(h, nthreads=self.nthreads)

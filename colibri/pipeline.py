@@ -53,6 +53,10 @@ class _Step:
     first: list[int]  # logits_from per sequence
     xs: list[np.ndarray] = field(default_factory=list)  # hidden states f32 [n_s, d_model]
     stacked: np.ndarray | None = None  # fused batches: every row; xs are views into it
+    tokens: list[np.ndarray] = field(default_factory=list)  # token ids int64 [n_s]
+    # hyper-connections, during a MoE layer: (the streams, each entry's mix); the layer's
+    # FFN output is summed into zeroed arrays and goes into the streams through the mix
+    hc: tuple[list[np.ndarray], list[Any]] | None = None
 
 
 @dataclass
@@ -63,6 +67,9 @@ class _Routed:
     layer: int
     routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     predicted: tuple[int, list[int]] | None
+    # hyper-connections (DeepSeek-V4): per routed entry the mix for Model.ffn_residual; the
+    # FFN output then goes into the streams through it instead of being added to x
+    mixes: list[Any] | None = None
 
 
 class Pipeline:
@@ -95,6 +102,9 @@ class Pipeline:
         self.route_observer: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self.last_step = (0, 0)  # (sequences, expert records requested) of the last forward
         self._moe_layers = [s.index for s in model.spec.layers if s.moe]
+        # DeepSeek-V4 hash-routed layers: their experts are a function of the token ids, so
+        # the prefetcher is told all of them when the tokens arrive (perfect prediction)
+        self._hash_layers = [s.index for s in model.spec.layers if getattr(s, "hash_routed", 0)]
         # experts: a provider of the routed experts' outputs computed elsewhere, or None (they
         # come from `cache` and run here). It has `prefetch` (bool: wants the next layer's
         # prediction) and `async ffn(layer, routed, predicted) -> slots`: routed as below,
@@ -185,6 +195,11 @@ class Pipeline:
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
         first = list(logits_from) + [0] * (len(batch) - len(logits_from))
         step = _Step([kv for _, kv in batch], pos0, want, first)
+        step.tokens = [np.asarray(t, dtype=np.int64) for t, _ in batch]
+        if self.prefetcher is not None and self.prefetcher.enabled and self._hash_layers:
+            every = np.concatenate(step.tokens)
+            for j in self._hash_layers:
+                self.prefetcher.predict(j, np.unique(self.model.hash_experts(j, every)).tolist())
         # one trip to the compute thread per layer when its records are ready: the first trip
         # embeds and runs up to the first MoE layer's routing; each layer's last expert trip
         # goes on with the next layer's attention and routing (or the logits after the last)
@@ -207,12 +222,12 @@ class Pipeline:
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             records += len(experts)
             if self.experts is not None:
-                state = await self._moe_elsewhere(i, step, routed, state.predicted)
+                state = await self._moe_elsewhere(i, step, routed, state.predicted, state.mixes)
             else:
                 self.cache.request(i, experts)  # misses go to disk now, as one batch
                 if self.prefetcher is not None and state.predicted is not None:
                     self.prefetcher.predict(*state.predicted)
-                state = await self._moe(i, step, routed, experts)
+                state = await self._moe(i, step, routed, experts, state.mixes)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
@@ -239,10 +254,10 @@ class Pipeline:
         for spec in m.spec.layers[start:]:
             i = spec.index
             if spec.moe:
-                routed, predicted = self._attention_and_route(
-                    i, step.xs, step.kvs, step.pos0, step.stacked
+                routed, predicted, mixes = self._attention_and_route(
+                    i, step.xs, step.kvs, step.pos0, step.stacked, step.tokens
                 )
-                return _Routed(i, routed, predicted)
+                return _Routed(i, routed, predicted, mixes)
             self._dense_layers(i, step.xs, step.kvs, step.pos0)
         fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
         return self._logits(step.xs, step.want, step.first, fused)
@@ -309,35 +324,49 @@ class Pipeline:
         kvs: list[KVCache],
         pos0: list[int],
         stacked: np.ndarray | None = None,
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, list[int]] | None]:
+        tokens: list[np.ndarray] | None = None,
+    ) -> tuple[
+        list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        tuple[int, list[int]] | None,
+        list[Any] | None,
+    ]:
         """Per sequence: attention, the FFN input h and the routing (ids int32 [n, k],
-        weights f32 [n, k]) of MoE layer i; and the union of what the next MoE layer's router
-        predicts (one trip to the compute thread). With `stacked` (fused batches: xs are
-        views into it), the attention is per sequence and the rest runs once over all rows:
-        one (h, ids, weights) entry for the whole batch."""
+        weights f32 [n, k]) of MoE layer i; the union of what the next MoE layer's router
+        predicts (one trip to the compute thread); and, with hyper-connections (DeepSeek-V4),
+        each entry's mix for Model.ffn_residual (else None). With `stacked` (fused batches:
+        xs are views into it), the attention is per sequence and the rest runs once over all
+        rows: one (h, ids, weights) entry for the whole batch. tokens: each sequence's token
+        ids (hash-routed layers choose by them)."""
         m = self.model
         nxt = None
         elsewhere = self.experts is not None and self.experts.prefetch
         if elsewhere or (self.prefetcher is not None and self.prefetcher.enabled):
             nxt = next((j for j in self._moe_layers if j > i), None)
+            if nxt in self._hash_layers:  # already predicted exactly from the tokens
+                nxt = None
+        hc = getattr(m.spec, "hc", None) is not None
+        if tokens is None:
+            tokens = [None] * len(xs)  # type: ignore[list-item]
         m.attention_batch(i, xs, kvs, pos0)  # projections stacked where row-invariant
         if stacked is not None:
-            h = m.post_norm(i, stacked)
+            h, mix = m.ffn_input(i, stacked)
             predicted = None
             if nxt is not None:
                 guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
                 predicted = (nxt, np.unique(guess).tolist())
-            return [(h, *m.route(i, h))], predicted
-        routed, guesses = [], []
-        for x in xs:
-            h = m.post_norm(i, x)
-            routed.append((h, *m.route(i, h)))
+            every = None if tokens[0] is None else np.concatenate(tokens)
+            return [(h, *m.route(i, h, every))], predicted, [mix] if hc else None
+        routed, guesses, mixes = [], [], []
+        for x, tok in zip(xs, tokens, strict=True):
+            h, mix = m.ffn_input(i, x)
+            mixes.append(mix)
+            routed.append((h, *m.route(i, h, tok)))
             if nxt is not None:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
                 guesses.append(m.route(nxt, m.post_norm(nxt, x))[0].ravel())
         predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
-        return routed, predicted
+        return routed, predicted, mixes if hc else None
 
     async def _moe(
         self,
@@ -345,6 +374,7 @@ class Pipeline:
         step: _Step,
         routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         experts: list[int],
+        mixes: list[Any] | None = None,
     ) -> _Routed | list[np.ndarray]:
         """x_s += shared expert (if any) + sum of the routed experts' weighted outputs, for
         every sequence s of the batch (routed[s] = (h, ids, weights); one entry over the
@@ -356,7 +386,7 @@ class Pipeline:
         `slots` (f32 [n, k, d_model]); the last trip adds them to x in slot order and goes on
         with the next layers, so with every record ready a layer is one trip.
         """
-        xs = step.xs if step.stacked is None else [step.stacked]
+        xs = self._ffn_targets(step, routed, mixes)
         slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
@@ -413,17 +443,32 @@ class Pipeline:
                 if isinstance(r, tuple):
                     r[1].release()
 
+    @staticmethod
+    def _ffn_targets(
+        step: _Step,
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        mixes: list[Any] | None,
+    ) -> list[np.ndarray]:
+        """Where a MoE layer's FFN output is added: the hidden states, or with
+        hyper-connections zeroed arrays that the last trip mixes into the streams."""
+        xs = step.xs if step.stacked is None else [step.stacked]
+        if mixes is None:
+            return xs
+        step.hc = (xs, mixes)
+        return [np.zeros(h.shape, dtype=np.float32) for h, _, _ in routed]
+
     async def _moe_elsewhere(
         self,
         i: int,
         step: _Step,
         routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         predicted: tuple[int, list[int]] | None,
+        mixes: list[Any] | None = None,
     ) -> _Routed | list[np.ndarray]:
         """As _moe, the routed experts computed by `self.experts` (on other machines): the
         shared expert runs here while their outputs travel; then the same slot-order sums and
         _head(i + 1) in the last trip, whose result it returns."""
-        xs = step.xs if step.stacked is None else [step.stacked]
+        xs = self._ffn_targets(step, routed, mixes)
         call = asyncio.ensure_future(self.experts.ffn(i, routed, predicted))
         try:
             await self._run(self._expert_step, i, [], xs, routed, [], True, None)
@@ -469,6 +514,11 @@ class Pipeline:
         for x, sl in zip(xs, slots, strict=True):
             for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
                 x += sl[:, j]
+        if last.hc is not None:  # hyper-connections: xs are the FFN outputs
+            streams, mixes = last.hc
+            last.hc = None
+            for x, y, mix in zip(streams, xs, mixes, strict=True):
+                m.ffn_residual(x, y, mix)
         return self._head(i + 1, last)
 
     def _expert_stacked(

@@ -160,7 +160,8 @@ class Session:
 def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
     """(name, array) of the KV cache, each distinct array once (MLA layers share k and v),
     then the Gated DeltaNet layers' state (`.conv`, `.recurrent`: stored whole, see _part)
-    and the DSA indexer key caches (`.index_k`)."""
+    and the DSA indexer key caches (`.index_k`), then DeepSeek-V4's compressor entries
+    (`.compressed`) and window rows (`.compress_buf`, `.index_buf`: stored whole)."""
     out, seen = [], set()
     for i, (k, v) in enumerate(zip(seq.kv.k, seq.kv.v, strict=True)):
         for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
@@ -172,13 +173,17 @@ def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
     for i, a in enumerate(seq.kv.index_k):  # DSA indexer keys
         if a is not None:
             out.append((f"{i}.index_k", a))
+    kv = seq.kv
+    for i, arrs in enumerate(zip(kv.compressed, kv.compress_buf, kv.index_buf, strict=False)):
+        names = ("compressed", "compress_buf", "index_buf")
+        out += [(f"{i}.{name}", a) for name, a in zip(names, arrs, strict=True) if a is not None]
     return out
 
 
 def _part(name: str, a: np.ndarray, n: int) -> np.ndarray:
     """The bytes of array `name` a session keeps: the first n positions of a key / value
     array, a recurrent state whole."""
-    return a if name.endswith((".conv", ".recurrent")) else a[:n]
+    return a if name.endswith((".conv", ".recurrent", ".compress_buf", ".index_buf")) else a[:n]
 
 
 def _config(engine: Engine) -> dict[str, Any]:

@@ -37,8 +37,10 @@ enum clb_isa { CLB_ISA_SCALAR = 0, CLB_ISA_AVX2 = 1, CLB_ISA_AVX512 = 2 };
 
 /* Expert FFN activations. SILU: down(silu(gate x) * up x) (SwiGLU).
  * SWIGLU_OAI (gpt-oss): g = min(gate x, limit); u = clamp(up x, -limit, limit);
- * down((u + 1) * g * sigmoid(alpha * g)). GELU: down(gelu_tanh(gate x) * up x). */
-enum clb_act { CLB_ACT_SILU = 0, CLB_ACT_GELU = 1, CLB_ACT_SWIGLU_OAI = 2 };
+ * down((u + 1) * g * sigmoid(alpha * g)). GELU: down(gelu_tanh(gate x) * up x).
+ * SILU_CLAMP (DeepSeek-V4, clamped SwiGLU): down(silu(min(gate x, limit)) *
+ * clamp(up x, -limit, limit)). */
+enum clb_act { CLB_ACT_SILU = 0, CLB_ACT_GELU = 1, CLB_ACT_SWIGLU_OAI = 2, CLB_ACT_SILU_CLAMP = 3 };
 
 /* RoPE pairings: NEOX rotates (x[i], x[i + rot_dim/2]) ("rotate_half", Llama/Mixtral/Qwen);
  * INTERLEAVED rotates (x[2i], x[2i+1]) (GPT-J, DeepSeek MLA rope part, GLM). */

@@ -32,6 +32,10 @@ static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0,
                 a = a / (1.0f + expf(-a));
             } else if (act == CLB_ACT_GELU) {
                 a = 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+            } else if (act == CLB_ACT_SILU_CLAMP) { /* DeepSeek-V4 */
+                a = a < limit ? a : limit;
+                b = b < -limit ? -limit : b > limit ? limit : b;
+                a = a / (1.0f + expf(-a));
             } else { /* CLB_ACT_SWIGLU_OAI (gpt-oss) */
                 a = a < limit ? a : limit;
                 b = b < -limit ? -limit : b > limit ? limit : b;
@@ -116,7 +120,7 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
     if (rb_g < 0) return (int)rb_g;
     if (rb_u < 0) return (int)rb_u;
     if (rb_d < 0) return (int)rb_d;
-    if (n < 0 || d_model <= 0 || d_ff <= 0 || act < CLB_ACT_SILU || act > CLB_ACT_SWIGLU_OAI)
+    if (n < 0 || d_model <= 0 || d_ff <= 0 || act < CLB_ACT_SILU || act > CLB_ACT_SILU_CLAMP)
         return CLB_EINVAL;
     if (n == 0) return CLB_OK;
     if (qscratch && (!clb_q8_act_supported(qt_g) || !clb_q8_act_supported(qt_u) ||

@@ -90,9 +90,17 @@ def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(("_hc.base", "hc_head.hc_base")):  # DeepSeek-V4 (init 0)
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # (init 1)
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid scores are in (0, 1)
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4 hash routing (init 0): k distinct
+                n_exp = model.config.get_text_config().n_routed_experts
+                rows = [torch.randperm(n_exp, generator=gen)[: b.shape[1]] for _ in range(len(b))]
+                b.copy_(torch.stack(rows))
     model.colibri_family = CASES[model_type][0]  # save() writes that family's layout
     return model
 
@@ -188,6 +196,8 @@ def router_margins(mod: Any, logits: Any, bias: Any = None) -> Any:
         bias = getattr(mod, "e_score_correction_bias", None)
     if "GptOss" in type(mod).__name__ or "Llama4" in type(mod).__name__:
         choice = logits  # top-k on the (biased) logits
+    elif "DeepseekV4" in type(mod).__name__:  # its scoring_func, then the bias
+        choice = mod.score_fn(logits) + bias
     elif bias is not None:
         choice = logits.sigmoid() + bias
     else:

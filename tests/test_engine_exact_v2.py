@@ -30,6 +30,7 @@ _ROUTERS = {  # config class -> (modeling module, router class)
     "DeepseekV3Config": ("deepseek_v3", "DeepseekV3TopkRouter"),
     "Glm4MoeConfig": ("glm4_moe", "Glm4MoeTopkRouter"),
     "GptOssConfig": ("gpt_oss", "GptOssTopKRouter"),
+    "DeepseekV4Config": ("deepseek_v4", "DeepseekV4TopKRouter"),
 }
 
 
@@ -80,6 +81,10 @@ ROUTER_CASES = [
         for g, t, k, norm in [(1, 1, 4, True), (8, 4, 8, True), (4, 1, 3, False), (8, 2, 6, True)]
     ],
     ("GptOssConfig", dict(num_local_experts=16, num_experts_per_tok=4)),
+    *[
+        ("DeepseekV4Config", dict(n_routed_experts=32, num_experts_per_tok=k, scoring_func=f))
+        for f, k in [("sqrtsoftplus", 6), ("sqrtsoftplus", 2), ("sigmoid", 4)]
+    ],
 ]
 
 
@@ -119,7 +124,7 @@ def test_mla_kv_cache_holds_the_latent():
     assert kv.nbytes == config["num_hidden_layers"] * 100 * width * 4
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("case", ["deepseek_v3", "gpt_oss", "deepseek_v4"])
 async def test_same_tokens_whatever_the_placement(case, tmp_path):
     """Reader backends x budgets (one layer's top-k, everything) x prefetch on/off give the
     same greedy tokens; the small budget really evicts and re-reads."""

@@ -95,6 +95,26 @@ def _rotary(model_type: str, config):
     return emb.inv_freq.numpy(), emb.attention_scaling
 
 
+def _check_v4(spec, hf) -> None:
+    """DeepSeek-V4: each layer's RoPE is the rotary's "main" (sliding_attention) or
+    "compress" table; every layer has the sliding window; compressors, indexer and hash
+    routing follow layer_types, compress_rates and mlp_layer_types; hyper-connections."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    emb = DeepseekV4RotaryEmbedding(hf)
+    for i, layer in enumerate(spec.layers):
+        a, kind = layer.attention, hf.layer_types[i]
+        rope = "main" if kind == "sliding_attention" else "compress"
+        np.testing.assert_allclose(a.inv_freq, getattr(emb, f"{rope}_inv_freq").numpy(), rtol=1e-6)
+        assert a.mscale == pytest.approx(getattr(emb, f"{rope}_attention_scaling"), rel=1e-9)
+        assert a.window == hf.sliding_window and a.shared_kv.layer_type == kind
+        c = a.shared_kv.compressor
+        assert (c.compress_rate if c else None) == hf.compress_rates.get(kind)
+        assert (a.indexer is not None) == (kind == "compressed_sparse_attention")
+        assert layer.hash_routed == (hf.mlp_layer_types[i] == "hash_moe")
+    assert (spec.hc.hc_mult, spec.hc.hc_sinkhorn_iters) == (hf.hc_mult, hf.hc_sinkhorn_iters)
+
+
 MINIMAL = [
     {},
     {"rope_theta": 5e5},
@@ -140,13 +160,17 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
     # the module of the class that builds it (kimi_k2: deepseek_v3; qwen3_5_moe: its own)
     text = fam.text_model_type
     known = text is not None and importlib.util.find_spec(f"transformers.models.{text}")
-    inv_freq, scaling = _rotary(text if known else model_type, hf)
-    np.testing.assert_allclose(a.inv_freq, inv_freq, rtol=1e-6)
-    assert a.mscale == pytest.approx(scaling, rel=1e-9)
-    # sliding windows: layer_types where the class has them, else Qwen3-MoE's rule
-    types = getattr(hf, "layer_types", None)
-    window = getattr(hf, "sliding_window", None) or 0
-    for i, layer in enumerate(spec.layers):
+    if spec.hc is not None:  # DeepSeek-V4: RoPE, windows, compressors by layer type
+        _check_v4(spec, hf)
+        types, window = None, 0
+    else:
+        inv_freq, scaling = _rotary(text if known else model_type, hf)
+        np.testing.assert_allclose(a.inv_freq, inv_freq, rtol=1e-6)
+        assert a.mscale == pytest.approx(scaling, rel=1e-9)
+        # sliding windows: layer_types where the class has them, else Qwen3-MoE's rule
+        types = getattr(hf, "layer_types", None)
+        window = getattr(hf, "sliding_window", None) or 0
+    for i, layer in enumerate(spec.layers if spec.hc is None else ()):
         if types is not None:
             want = window if types[i] == "sliding_attention" else 0
         else:

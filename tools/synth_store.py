@@ -120,6 +120,21 @@ MODELS: dict[str, dict[str, Any]] = {
         "index_head_dim": 128, "index_n_heads": 32, "attention_bias": False,
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     },
+    # DeepSeek-V4 (DeepseekV4Config's defaults: the V4-Flash body, V4-Pro's layer pattern of
+    # two HCA layers then CSA / HCA alternating, three hash-routed layers first)
+    "deepseek-v4-flash": {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+        "head_dim": 512, "q_lora_rank": 1024, "num_experts_per_tok": 6, "n_routed_experts": 256,
+        "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8,
+        "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "partial_rotary_factor": 0.125, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    },
     # deepseek-ai/DeepSeek-V3.2's shape: DeepSeek-V3 + the DSA indexer (64 heads)
     "deepseek-v3.2": {
         "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -228,6 +243,11 @@ TOKENIZER_SOURCES = {
     # V3.2 keeps V3's vocabulary; GLM-5's tokenizer is not in shared/data: DeepSeek-V3's
     # (129280 ids < 154880) stands in so text prompts work on the synthetic store
     "deepseek-v3.2": [
+        ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
+        ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
+    ],
+    # V4 keeps DeepSeek-V3's vocabulary size; V3's tokenizer stands in
+    "deepseek-v4-flash": [
         ("deepseek_v3/tokenizer.json.xz", "tokenizer.json"),
         ("deepseek_v3/tokenizer_config.json", "tokenizer_config.json"),
     ],
@@ -348,7 +368,13 @@ class BlockPool:
         return memoryview(self.data[start : start + n])
 
 
-def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def _float_tensor(
+    name: str, shape: tuple[int, ...], rng: np.random.Generator, n_experts: int = 1
+) -> np.ndarray:
+    if name.endswith(".tid2eid"):  # DeepSeek-V4 hash routing: top_k distinct ids per token
+        vocab, k = shape
+        first = rng.integers(0, n_experts, (vocab, 1))
+        return ((first + np.arange(k) * max(1, n_experts // k)) % n_experts).astype(np.float32)
     if name.endswith("norm.weight"):
         return (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(("bias", "e_score_correction_bias")):
@@ -431,7 +457,7 @@ def synth_store(
                 for r in range(0, rows, step):
                     w.write_dense(name, src.take(min(step, rows - r) * rb))
             else:
-                w.write_dense(name, _float_tensor(name, shape, rng))
+                w.write_dense(name, _float_tensor(name, shape, rng, E))
             bar.update(tensor_nbytes(qtype, shape))
         srcs = {k: pool(t.qtype, t.shape[-1]) for k, t in layout.tensors.items()}
         for layer in moe:

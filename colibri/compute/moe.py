@@ -11,7 +11,10 @@ Variants (sources: the transformers reference implementations named below):
   of their top-2, `topk_group` groups kept, renormalised, scaled by `routed_scaling_factor`
   (DeepSeek-V3, GLM-4.5; DeepseekV3MoE.route_tokens_to_experts);
 - top-k on the logits, then softmax over the k (gpt-oss; GptOssTopKRouter);
-- top-k on the logits, then sigmoid of each of the k (Llama 4; Llama4Router).
+- top-k on the logits, then sigmoid of each of the k (Llama 4; Llama4Router);
+- sqrt(softplus) scores, otherwise as sigmoid without groups (DeepSeek-V4;
+  DeepseekV4TopKRouter), and its hash layers, whose experts are given (`ids`: tid2eid of the
+  token ids, DeepseekV4HashRouter) and only weighted by the scores.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class RouterSpec:
 
     num_experts: int  # num_local_experts / num_experts / n_routed_experts
     top_k: int  # num_experts_per_tok
-    scoring: Literal["softmax", "sigmoid", "topk_softmax", "topk_sigmoid"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sqrtsoftplus"] = (
+        "softmax"
+    )
     norm_topk_prob: bool = False  # renormalise the k weights to sum to 1
     n_group: int = 1  # n_group: experts split into groups for group-limited choice
     topk_group: int = 1  # topk_group: groups kept
@@ -40,13 +45,17 @@ class RouterSpec:
 
 
 def route(
-    spec: RouterSpec, logits: np.ndarray, correction_bias: np.ndarray | None = None
+    spec: RouterSpec,
+    logits: np.ndarray,
+    correction_bias: np.ndarray | None = None,
+    ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose experts for each token.
 
     logits: f32 [n, num_experts] (router output, bias included). correction_bias: f32
-    [num_experts] or None, used for choosing only. Returns (ids int32 [n, top_k], weights f32
-    [n, top_k]), ids in descending order of the choice score, ties to the lowest id.
+    [num_experts] or None, used for choosing only. ids: int [n, top_k] experts already chosen
+    (hash routing), or None. Returns (ids int32 [n, top_k], weights f32 [n, top_k]), ids in
+    descending order of the choice score, ties to the lowest id (given ids: as given).
     """
     n, e = logits.shape
     k = spec.top_k
@@ -61,6 +70,10 @@ def route(
     scores = np.ascontiguousarray(logits, dtype=np.float32).copy()
     if spec.scoring == "softmax":
         ops.softmax(scores)
+    elif spec.scoring == "sqrtsoftplus":  # torch softplus: linear above 20
+        s64 = scores.astype(np.float64)
+        sp = np.where(s64 > 20, s64, np.log1p(np.exp(np.minimum(s64, 20))))
+        scores = np.sqrt(sp).astype(np.float32)
     else:
         scores = (1.0 / (1.0 + np.exp(-scores.astype(np.float64)))).astype(np.float32)
     choice = scores if correction_bias is None else scores + correction_bias[None, :]
@@ -78,7 +91,10 @@ def route(
         # correction bias can push kept scores below 0, so 0.0 would pick a dropped expert)
         fill = np.float32(0.0 if spec.scoring == "softmax" else -np.inf)
         choice = np.where(np.repeat(mask, e // spec.n_group, axis=1), choice, fill)
-    ids, _ = ops.topk(np.ascontiguousarray(choice, dtype=np.float32), k)
+    if ids is None:
+        ids, _ = ops.topk(np.ascontiguousarray(choice, dtype=np.float32), k)
+    else:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
     weights = np.take_along_axis(scores, ids.astype(np.int64), axis=1)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(spec.norm_eps))

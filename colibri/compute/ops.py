@@ -140,6 +140,7 @@ class Act(enum.IntEnum):
     SILU = 0
     GELU = 1
     SWIGLU_OAI = 2
+    SILU_CLAMP = 3
 
 
 def _nbytes(buf: Buffer, name: str) -> int:
@@ -456,6 +457,8 @@ def expert_ffn(
     h are quantized to Q8_0 and the matmuls are integer dots as in matmul_q8 (its small Q8_0
     scratch is a per-thread buffer kept between calls). qtypes: (gate, up, down) storage types
     when they differ (a record of a mixed GGUF quant); `qtype` is then ignored. Returns out.
+    act "silu_clamp" (DeepSeek-V4, HF DeepseekV4Experts): silu(min(g, limit)) *
+    clamp(u, -limit, limit).
     Raises KernelError on bad shapes, or act_q8 with a weight type outside Q8_ACT_TYPES.
     """
     if qtypes is not None:

@@ -123,6 +123,9 @@ def _act(g: np.ndarray, u: np.ndarray, act: int, alpha: float, limit: float) -> 
         return g / (1 + np.exp(-g)) * u
     if act == 1:  # GELU, tanh approximation (HF gelu_pytorch_tanh)
         return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    if act == 3:  # DeepSeek-V4 (DeepseekV4Experts._apply_gate): clamp, then SwiGLU
+        g = np.minimum(g, limit)
+        return g / (1 + np.exp(-g)) * np.clip(u, -limit, limit)
     # gpt-oss (HF GptOssExperts): clamp, then (up + 1) * gate * sigmoid(alpha * gate)
     g = np.minimum(g, limit)
     u = np.clip(u, -limit, limit)

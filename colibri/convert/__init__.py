@@ -35,7 +35,10 @@ _F32_NAMES = re.compile(
     r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
     r"|\.feed_forward\.router\.weight"
     r"|\.shared_expert_gate\.weight|norm\.weight|e_score_correction_bias|\.bias|\.sinks"
-    r"|\.indexer\.weights_proj\.weight)$"
+    r"|\.indexer\.weights_proj\.weight"
+    # DeepSeek-V4: router, hash table, compressor position biases, hyper-connection maps
+    r"|\.ffn\.gate\.weight|\.ffn\.gate\.tid2eid|\.compressor\.ape|\.hc_(?:attn|ffn)_fn"
+    r"|\.hc_head\.hc_fn)$"
 )
 
 

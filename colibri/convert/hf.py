@@ -60,7 +60,9 @@ _DTYPES = {
     "F32": np.float32,
     "F8_E4M3": np.uint8,
     "U8": np.uint8,
+    "I64": np.int64,  # only DeepSeek-V4's tid2eid tables (_INT_NAMES): ids, exact in f32
 }
+_INT_NAMES = re.compile(r"\.tid2eid$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _CHUNK_BYTES = 64 << 20  # dense tensors are converted this many source bytes at a time
 
@@ -125,7 +127,7 @@ class Checkpoint:
                 if weight_map and weight_map.get(name) != fname:
                     raise ConversionError(f"{path}: tensor {name!r} is not in {index.name}")
                 dtype, shape = info["dtype"], tuple(info["shape"])
-                if dtype not in _DTYPES:
+                if dtype not in _DTYPES or (dtype == "I64" and not _INT_NAMES.search(name)):
                     raise ConversionError(
                         f"{path}: tensor {name!r} has dtype {dtype}; supported: "
                         + ", ".join(_DTYPES)
@@ -333,7 +335,8 @@ def plan_dense(
     out = []
     for name in sorted(stored, key=lambda x: _sort_key(stored[x])):
         layer = _layer_of(stored[name])
-        if layer >= n + mtp or (layer < 0 and not stored[name].startswith(("model.", "lm_head."))):
+        top = ("model.", "lm_head.", f"{spec.lm_head}.")  # DeepSeek-V4's is `head`
+        if layer >= n + mtp or (layer < 0 and not stored[name].startswith(top)):
             raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation

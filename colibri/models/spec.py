@@ -59,6 +59,78 @@ class IndexerSpec:
 
 
 @dataclass(frozen=True)
+class CompressorSpec:
+    """A DeepSeek-V4 KV compressor (transformers DeepseekV4HCACompressor / CSACompressor /
+    the indexer's own), config names.
+
+    Every `compress_rate` source tokens x close a window that becomes one entry: kv = wkv(x),
+    z = wgate(x) + ape[pos % compress_rate]; entry = RMSNorm(sum_j softmax_j(z) * kv_j) per
+    channel (weighted `norm`), rotated on its trailing rot_dim dims at position
+    window * compress_rate (the attention's "compress" RoPE). `overlap` (CSA): wkv / wgate give
+    2 * head_dim per token, two series Ca | Cb; entry w pools window w-1's Ca and window w's Cb
+    (2 * compress_rate slots; window 0 has no Ca). The per-sequence state (model.KVCache
+    .compressed / compress_buf) holds the entries and the last two windows' rows.
+    """
+
+    compress_rate: int
+    head_dim: int
+    overlap: bool
+
+
+@dataclass(frozen=True)
+class SharedKVSpec:
+    """DeepSeek-V4 attention (transformers DeepseekV4Attention), config names.
+
+    q = q_b(RMSNorm(q_a(x))) per head, then a weightless RMSNorm per head; one key that is also
+    the value, kv = RMSNorm(wkv(x)) [head_dim] (shared-KV MQA); both rotated on the trailing
+    rot_dim dims of each head (interleaved pairs). Each query attends to the last
+    `sliding_window` tokens plus, with a compressor, the compressed entries it may see:
+    `heavily_compressed_attention` every closed window, `compressed_sparse_attention` the
+    indexer's top `index_topk` of them (IndexerSpec, its keys from its own compressor at
+    index_head_dim). Learned per-head sinks join the softmax. The output's trailing rot_dim
+    dims are rotated back (position -pos), then the grouped low-rank projection: heads split
+    into o_groups groups, each group's [n_heads * head_dim / o_groups] mapped by its block of
+    wo_a to o_lora_rank, the o_groups * o_lora_rank concatenation mapped by wo_b to d_model.
+    """
+
+    layer_type: Literal[
+        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+    ]
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compressor: CompressorSpec | None = None  # none for sliding_attention layers
+    index_compressor: CompressorSpec | None = None  # the CSA indexer's (index_head_dim)
+    norm_eps: float = 1e-6  # rms_norm_eps
+
+
+@dataclass(frozen=True)
+class HyperConnectionSpec:
+    """Manifold-constrained hyper-connections (mHC; DeepSeek-V4, transformers
+    DeepseekV4HyperConnection / DeepseekV4HyperHead), config names.
+
+    The residual is hc_mult streams [hc_mult, d_model] per token (the embedding repeated).
+    Before each attention and each FFN block, the streams' flat [hc_mult * d_model] vector is
+    RMSNorm'd (no weight, rms_norm_eps) and mapped by `fn` [(2 + hc_mult) * hc_mult,
+    hc_mult * d_model] to pre | post | comb logits (plus `base`, times `scale` [3]):
+    pre = sigmoid + hc_eps, post = 2 sigmoid, comb = softmax over its last axis + hc_eps, made
+    doubly stochastic by Sinkhorn-Knopp (columns, then hc_sinkhorn_iters - 1 rows-then-columns
+    passes, each dividing by the sum + hc_eps). The block reads sum_j pre_j stream_j; the new
+    streams are post_k * block_output + sum_j comb[j, k] stream_j. At the end the head's
+    hc_fn [hc_mult, hc_mult * d_model], hc_base, hc_scale [1] give pre (sigmoid + hc_eps),
+    and sum_j pre_j stream_j goes to the final norm.
+    """
+
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    head_fn: str = "model.hc_head.hc_fn"
+    head_base: str = "model.hc_head.hc_base"
+    head_scale: str = "model.hc_head.hc_scale"
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     n_heads: int
     n_kv_heads: int
@@ -86,6 +158,10 @@ class AttentionSpec:
     # Qwen3-Next / Qwen3.5: q_proj gives each head's query then its output gate
     # ([n_heads, 2 * head_dim]); the attention output is multiplied by sigmoid(gate)
     output_gate: bool = False
+    # DeepSeek-V4 attention (SharedKVSpec); rot_dim / inv_freq / mscale are its RoPE (the
+    # "main" one on sliding_attention layers, "compress" on compressed ones), applied to the
+    # TRAILING rot_dim dims of each head; window = sliding_window
+    shared_kv: SharedKVSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -130,12 +206,15 @@ class GatedDeltaNetSpec:
 class MoESpec:
     router: RouterSpec
     d_ff: int  # moe_intermediate_size / intermediate_size of one routed expert
-    act: Literal["silu", "gelu", "swiglu_oai"] = "silu"
+    # silu_clamp (DeepSeek-V4): silu(min(gate, limit)) * clamp(up, -limit, limit), limit =
+    # swiglu_limit; the shared expert uses it too (shared_act)
+    act: Literal["silu", "gelu", "swiglu_oai", "silu_clamp"] = "silu"
     alpha: float = 1.702  # swiglu_oai constants (gpt-oss)
     limit: float = 7.0
     # Llama 4 (Llama4TextMoe): the routed expert's INPUT is scaled by its router weight,
     # weight * x -> FFN, instead of weight * FFN(x)
     apply_router_weight_on_input: bool = False
+    shared_act: Literal["silu", "silu_clamp"] = "silu"  # the shared expert's activation
 
 
 @dataclass(frozen=True)
@@ -157,6 +236,9 @@ class LayerSpec:
     # Gated DeltaNet instead of attention (roles in_proj_qkvz in_proj_ba | in_proj_qkv
     # in_proj_z in_proj_b in_proj_a, conv1d dt_bias A_log linear_norm, o = out_proj)
     linear_attn: GatedDeltaNetSpec | None = None
+    # DeepSeek-V4 `hash_moe`: the experts are tid2eid[token id] (role tid2eid, [vocab, top_k]),
+    # the router only weights them
+    hash_routed: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +256,7 @@ class ModelSpec:
     # RMSNorm weights stored zero-centred: the scale is norm_offset + weight (Qwen3-Next's
     # Qwen3NextRMSNorm: 1 + w); applies to input/post/q/k norms and the final norm
     norm_offset: float = 0.0
+    hc: HyperConnectionSpec | None = None  # DeepSeek-V4's multi-stream residual
 
 
 def get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -319,7 +402,53 @@ def f32_tensors(spec: ModelSpec) -> frozenset[str]:
         for role in ("router", "shared_expert_gate", "idx_weights_proj"):
             if role in layer.names:
                 out |= {f"{layer.names[role]}.weight", f"{layer.names[role]}.bias"}
+        # DeepSeek-V4: hash tables, hyper-connection maps, compressor position biases
+        out |= {layer.names[r] for r in V4_F32_ROLES if r in layer.names}
+    if spec.hc is not None:
+        out.add(spec.hc.head_fn)
     return frozenset(out)
+
+
+# DeepSeek-V4 roles stored under their bare name (no ".weight"), and those kept f32
+V4_BARE_ROLES = (
+    "tid2eid", "cmp_ape", "idx_cmp_ape",
+    *(f"hc_{b}_{p}" for b in ("attn", "ffn") for p in ("fn", "base", "scale")),
+)  # fmt: skip
+V4_F32_ROLES = ("tid2eid", "cmp_ape", "idx_cmp_ape", "hc_attn_fn", "hc_ffn_fn")
+
+
+def shared_kv_shapes(layer: LayerSpec, d: int, hc: HyperConnectionSpec | None, vocab: int,
+                     top_k: int) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    """role -> shape of a DeepSeek-V4 layer's attention and hyper-connection tensors."""
+    a = layer.attention
+    v = a.shared_kv
+    assert v is not None
+    hd, H = a.head_dim, a.n_heads
+    out: dict[str, tuple[int, ...]] = {
+        "q_a": (v.q_lora_rank, d), "q_a_norm": (v.q_lora_rank,), "q_b": (H * hd, v.q_lora_rank),
+        "kv": (hd, d), "kv_norm": (hd,), "sinks": (H,),
+        "o_a": (v.o_groups * v.o_lora_rank, H * hd // v.o_groups),
+        "o_b": (d, v.o_groups * v.o_lora_rank),
+    }  # fmt: skip
+    for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
+        if c is None:
+            continue
+        width = c.head_dim * (2 if c.overlap else 1)
+        out |= {f"{pre}_wkv": (width, d), f"{pre}_wgate": (width, d)}
+        out |= {f"{pre}_ape": (c.compress_rate, width), f"{pre}_norm": (c.head_dim,)}
+    if v.index_compressor is not None:
+        x = a.indexer
+        assert x is not None
+        out["idx_wq_b"] = (x.index_n_heads * x.index_head_dim, v.q_lora_rank)
+        out["idx_weights_proj"] = (x.index_n_heads, d)
+    if hc is not None:
+        n = (2 + hc.hc_mult) * hc.hc_mult
+        for b in ("attn", "ffn"):
+            out |= {f"hc_{b}_fn": (n, hc.hc_mult * d), f"hc_{b}_base": (n,)}
+            out[f"hc_{b}_scale"] = (3,)
+    if layer.hash_routed:
+        out["tid2eid"] = (vocab, top_k)
+    return out
 
 
 def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -354,7 +483,10 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {"q_norm": (q_out,), "k_norm": (a.n_kv_heads * a.head_dim,)}
         if a.sinks:
             shapes["sinks"] = (a.n_heads,)
-        if a.indexer is not None and not a.indexer.shared:
+        if a.shared_kv is not None:  # DeepSeek-V4: its own attention tensors
+            shapes = {"input_norm": (d,), "post_norm": (d,)}
+            shapes |= shared_kv_shapes(layer, d, spec.hc, spec.vocab_size, spec.moe.router.top_k)
+        elif a.indexer is not None and not a.indexer.shared:
             x, q_rank = a.indexer, a.mla.q_lora_rank if a.mla is not None else None
             shapes |= {"idx_wq_b": (x.index_n_heads * x.index_head_dim, q_rank or d)}
             shapes |= {"idx_wk": (x.index_head_dim, d), "idx_k_norm": (x.index_head_dim,)}
@@ -372,12 +504,16 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if "shared_expert_gate" in n:
             shapes["shared_expert_gate"] = (1, d)
         for role, shape in shapes.items():
-            if role in ("sinks", "correction_bias", "dt_bias", "A_log"):
+            if role in ("sinks", "correction_bias", "dt_bias", "A_log", *V4_BARE_ROLES):
                 out[n[role]] = shape
                 continue
             out[f"{n[role]}.weight"] = shape
             if role in layer.biases:
                 out[f"{n[role]}.bias"] = shape[:1]
+    if spec.hc is not None:  # the hyper-connection head, before the final norm
+        out[spec.hc.head_fn] = (spec.hc.hc_mult, spec.hc.hc_mult * d)
+        out[spec.hc.head_base] = (spec.hc.hc_mult,)
+        out[spec.hc.head_scale] = (1,)
     out[f"{spec.final_norm}.weight"] = (d,)
     if spec.lm_head != spec.embed:
         out[f"{spec.lm_head}.weight"] = (spec.vocab_size, d)
