@@ -151,12 +151,14 @@ class Pipeline:
         m = self.model
         if self.prefetcher is not None:
             self.prefetcher.new_token()
-        xs = await self._run(self._embed, [t for t, _ in batch])
+        xs, ples = await self._run(self._embed, [t for t, _ in batch])
         stacked = None
         if self.fused:  # one array, each sequence's rows a view into it
             stacked = np.concatenate(xs)
             offsets = np.cumsum([0] + [len(x) for x in xs])
             xs = [stacked[a:b] for a, b in itertools.pairwise(offsets)]
+            if ples[0] is not None:
+                ples = [np.concatenate(ples)]
         kvs = [kv for _, kv in batch]
         records = 0  # expert records this step requested, over all layers
         for spec in m.spec.layers:
@@ -184,7 +186,7 @@ class Pipeline:
             records += len(experts)
             if self.prefetcher is not None and predicted is not None:
                 self.prefetcher.predict(*predicted)
-            await self._moe(i, xs if stacked is None else [stacked], routed, experts)
+            await self._moe(i, xs if stacked is None else [stacked], routed, experts, ples)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
             kv.length = p + len(tokens)
@@ -195,8 +197,11 @@ class Pipeline:
         first = list(logits_from) + [0] * (len(batch) - len(logits_from))
         return await self._run(self._logits, xs, want, first, stacked is not None)
 
-    def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
-        return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
+    def _embed(self, tokens: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """Per sequence the embeddings and the per-layer inputs (None: the model has none)."""
+        ids = [np.asarray(t, dtype=np.int64) for t in tokens]
+        xs = [self.model.embed(t) for t in ids]
+        return xs, [self.model.per_layer_inputs(t, x) for t, x in zip(ids, xs, strict=True)]
 
     def _logits(
         self, xs: list[np.ndarray], all_logits: list[bool], first: list[int], fused: bool
@@ -251,18 +256,18 @@ class Pipeline:
             h = m.post_norm(i, stacked)
             predicted = None
             if nxt is not None:
-                guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
+                guess = m.route(nxt, m.post_norm(nxt, stacked), stacked)[0]
                 predicted = (nxt, np.unique(guess).tolist())
-            return [(h, *m.route(i, h))], predicted
+            return [(h, *m.route(i, h, stacked))], predicted
         routed, guesses = [], []
         for x, kv, p in zip(xs, kvs, pos0, strict=True):
             m.attention(i, x, kv, p)
             h = m.post_norm(i, x)
-            routed.append((h, *m.route(i, h)))
+            routed.append((h, *m.route(i, h, x)))
             if nxt is not None:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
-                guesses.append(m.route(nxt, m.post_norm(nxt, x))[0].ravel())
+                guesses.append(m.route(nxt, m.post_norm(nxt, x), x)[0].ravel())
         predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
         return routed, predicted
 
@@ -272,6 +277,7 @@ class Pipeline:
         xs: list[np.ndarray],
         routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         experts: list[int],
+        ples: Sequence[np.ndarray | None] = (),
     ) -> None:
         """x_s += shared expert (if any) + sum of the routed experts' weighted outputs, for
         every sequence s of the batch (routed[s] = (h, ids, weights)).
@@ -279,9 +285,12 @@ class Pipeline:
         Records already in the cache are computed in the first trip to the compute thread,
         together with the shared experts, while the misses are read; each later trip takes
         every record that has arrived. Each expert writes its own slot of the sequence's
-        `slots` (f32 [n, k, d_model]) and the last trip adds them to x in slot order.
+        `slots` (f32 [n, k, d_model]) and the last trip adds them to x in slot order (Gemma 4,
+        Model.sandwich: the dense part waits in `dense` and Model.ffn_residual ends the layer,
+        with the sequence's per-layer inputs `ples`).
         """
         slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
+        dense = [np.zeros_like(x) for x in xs] if self.model.sandwich(i) else None
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
 
@@ -310,8 +319,9 @@ class Pipeline:
                 batch, ready = ready, []
                 try:
                     await self._run(
-                        self._expert_step, i, batch, xs, routed, slots, first, not pending
-                    )
+                        self._expert_step, i, batch, xs, routed, slots, first, not pending,
+                        dense, ples,
+                    )  # fmt: skip
                     self.times.experts += len(batch)
                 finally:
                     for _, lease in batch:
@@ -338,11 +348,16 @@ class Pipeline:
         slots: list[np.ndarray],
         first: bool,
         last: bool,
+        dense: list[np.ndarray] | None = None,
+        ples: Sequence[np.ndarray | None] = (),
     ) -> None:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
         ((expert, lease) pairs) on each sequence's tokens routed to them, and (last trip)
         the residual sums."""
-        if first:
+        if first and dense is not None:  # Gemma 4: the MLP output waits for the experts'
+            for x, (h, _, _), out in zip(xs, routed, dense, strict=True):
+                self.model.dense_ffn(i, h, out, x)
+        elif first:
             for x, (h, _, _) in zip(xs, routed, strict=True):
                 out = np.zeros_like(x)
                 self.model.dense_ffn(i, h, out)
@@ -354,7 +369,11 @@ class Pipeline:
                     sl[tok, slot] = self.model.expert_ffn(
                         lease.buffer, h, tok, weights[tok, slot], layer=i
                     )
-        if last:
+        if last and dense is not None:
+            ples = list(ples) or [None] * len(xs)
+            for x, sl, out, ple in zip(xs, slots, dense, ples, strict=True):
+                self.model.ffn_residual(i, x, out, sl, ple)
+        elif last:
             for x, sl in zip(xs, slots, strict=True):
                 for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
                     x += sl[:, j]

@@ -11,7 +11,9 @@ Variants (sources: the transformers reference implementations named below):
   of their top-2, `topk_group` groups kept, renormalised, scaled by `routed_scaling_factor`
   (DeepSeek-V3, GLM-4.5; DeepseekV3MoE.route_tokens_to_experts);
 - top-k on the logits, then softmax over the k (gpt-oss; GptOssTopKRouter);
-- top-k on the logits, then sigmoid of each of the k (Llama 4; Llama4Router).
+- top-k on the logits, then sigmoid of each of the k (Llama 4; Llama4Router);
+- any of these with a learned per-expert scale multiplying the chosen weights (Gemma 4:
+  softmax, top-k, renormalised, times `per_expert_scale[id]`; Gemma4TextRouter).
 """
 
 from __future__ import annotations
@@ -40,14 +42,28 @@ class RouterSpec:
 
 
 def route(
-    spec: RouterSpec, logits: np.ndarray, correction_bias: np.ndarray | None = None
+    spec: RouterSpec,
+    logits: np.ndarray,
+    correction_bias: np.ndarray | None = None,
+    expert_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose experts for each token.
 
     logits: f32 [n, num_experts] (router output, bias included). correction_bias: f32
-    [num_experts] or None, used for choosing only. Returns (ids int32 [n, top_k], weights f32
-    [n, top_k]), ids in descending order of the choice score, ties to the lowest id.
+    [num_experts] or None, used for choosing only. expert_scale: f32 [num_experts] or None,
+    multiplies each chosen expert's final weight (Gemma 4's `router.per_expert_scale`).
+    Returns (ids int32 [n, top_k], weights f32 [n, top_k]), ids in descending order of the
+    choice score, ties to the lowest id.
     """
+    ids, weights = _route(spec, logits, correction_bias)
+    if expert_scale is not None:
+        weights = np.ascontiguousarray(weights * expert_scale[ids], dtype=np.float32)
+    return ids, weights
+
+
+def _route(
+    spec: RouterSpec, logits: np.ndarray, correction_bias: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
     n, e = logits.shape
     k = spec.top_k
     if spec.scoring == "topk_softmax":
