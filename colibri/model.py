@@ -165,7 +165,7 @@ class KVCache:
         per_token = 0
         for layer in spec.layers:
             a = layer.attention
-            if a.kv_shared_from is not None:  # reads an earlier layer's cache
+            if getattr(a, "kv_shared_from", None) is not None:  # reads an earlier layer's cache
                 continue
             if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
@@ -202,7 +202,7 @@ class KVCache:
                     np.float32,
                 )
             )
-            if g is not None or a.kv_shared_from is not None:  # no keys of its own
+            if g is not None or getattr(a, "kv_shared_from", None) is not None:  # no own keys
                 k.append(np.zeros((0, 1, 1), dtype=dtype))
                 v.append(k[-1])
                 continue

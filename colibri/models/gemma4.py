@@ -20,9 +20,10 @@ FAMILY = Family(
     test_configs={
         "gemma4": TINY
         | dict(
+            top_k_experts=4,  # with 2, this seed's run flips top-1 under q8_0 (flat logits)
             pad_token_id=0,  # Gemma4Model masks multimodal tokens with it
             # Gemma4PreTrainedModel initialises with the top-level initializer_range
-            outer_config=dict(initializer_range=0.08),
+            outer_config=dict(initializer_range=0.05),
             # the vision tower transformers builds beside the language model (dropped)
             vision_config=dict(
                 hidden_size=32,
