@@ -51,6 +51,9 @@ def config(case: str, **overrides: Any) -> Any:
     n, types = kw.get("num_hidden_layers"), kw.get("layer_types")
     if types is not None and len(types) != n:  # the depth was overridden: repeat the pattern
         kw["layer_types"] = [types[i % len(types)] for i in range(n)]
+    if types is not None and kw.get("num_kv_shared_layers"):  # Gemma 4, at any depth: each
+        # layer type keeps a layer with its own keys and values before the shared ones
+        kw["num_kv_shared_layers"] = min(kw["num_kv_shared_layers"], n - len(set(types)))
     if "vision_config" in kw:
         # multimodal: the language model under text_config, the case's tiny vision tower
         vision = kw.pop("vision_config")
@@ -266,7 +269,10 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
     if not OLMOE_TOKENIZER.exists():
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
     torch.manual_seed(seed)
-    cfg = config(model_type, vocab_size=50304)
+    vocab = dict(vocab_size=50304)
+    if "vocab_size_per_layer_input" in CASES[model_type][1]:  # Gemma 4's per-layer table
+        vocab["vocab_size_per_layer_input"] = 50304
+    cfg = config(model_type, **vocab)
     model = auto_class(model_type).from_config(cfg).float().eval()
     model.colibri_family = CASES[model_type][0]
     save(model, path)

@@ -196,6 +196,7 @@ def test_spec_resolves_what_transformers_resolves(given):
          "num_kv_shared_layers"),  # no sliding layer before the shared ones
         (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "rope_parameters"),
         (dict(num_experts=None), "num_experts"),
+        (dict(vocab_size_per_layer_input=1000), "vocab_size_per_layer_input"),
     ],
 )  # fmt: skip
 def test_unsupported_config_values_are_refused_naming_the_field(overrides, field):

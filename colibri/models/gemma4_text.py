@@ -148,6 +148,11 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     ff = require(config, "intermediate_size")
     double = bool(get(config, "use_double_wide_mlp", default=False))
     ple = get(config, "hidden_size_per_layer_input") or 0
+    if ple and require(config, "vocab_size_per_layer_input") < require(config, "vocab_size"):
+        raise ValueError(  # transformers would index past the per-layer table
+            "config.json: vocab_size_per_layer_input is below vocab_size: token ids past it "
+            "have no per-layer input embedding"
+        )
     layers = []
     for i, t in enumerate(types):
         p = f"model.layers.{i}"
