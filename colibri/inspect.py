@@ -11,7 +11,7 @@ import numpy as np
 from colibri import registry
 from colibri.io.format import Store, open_store, tensor_nbytes
 
-_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k_experts")
 
 
 def describe(store: Store) -> dict[str, Any]:

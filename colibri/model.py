@@ -18,7 +18,7 @@ from colibri.compute import deltanet, dsv4, moe, ops
 from colibri.compute.ops import QType
 from colibri.errors import StoreError
 from colibri.io.format import ExpertLayout, Store
-from colibri.models.spec import AttentionSpec, LayerSpec, ModelSpec
+from colibri.models.spec import GEMMA_NORMS, AttentionSpec, LayerSpec, ModelSpec
 
 _F32 = QType.parse("f32")
 GDR_CHUNK = 64  # Gated DeltaNet: chunk size of the chunked form (Model.gdr_chunked)
@@ -139,7 +139,9 @@ class KVCache:
     Gated DeltaNet layers (LayerSpec.linear_attn) keep a fixed-size state instead, always f32:
     conv[layer] [linear_conv_kernel_dim - 1, conv_dim], the conv's last inputs, and
     recurrent[layer] [linear_num_value_heads, linear_key_head_dim, linear_value_head_dim];
-    their k/v entries are empty, and conv/recurrent are None for attention layers. That state
+    their k/v entries are empty, and conv/recurrent are None for attention layers. Layers
+    that reuse an earlier layer's keys and values (AttentionSpec.kv_shared_from, Gemma 4's
+    num_kv_shared_layers) have empty k/v entries too and read that layer's. That state
     summarises every token so far: a sequence can grow but never be cut back (`length` only
     moves forward on hybrid models).
     DeepSeek-V4 layers (spec.SharedKVSpec) keep the K=V rows of the last sliding_window
@@ -205,6 +207,8 @@ class KVCache:
             if getattr(a, "shared_kv", None) is not None:  # DeepSeek-V4: its own arrays
                 fixed += _v4_cache_nbytes(a, n_ctx, np.dtype(dtype).itemsize)
                 continue
+            if getattr(a, "kv_shared_from", None) is not None:  # reads an earlier layer's cache
+                continue
             if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
             else:
@@ -253,7 +257,7 @@ class KVCache:
                     np.float32,
                 )
             )
-            if g is not None:
+            if g is not None or getattr(a, "kv_shared_from", None) is not None:  # no own keys
                 k.append(np.zeros((0, 1, 1), dtype=dtype))
                 v.append(k[-1])
                 continue
@@ -337,6 +341,7 @@ class Model:
         self.gdr_chunked = False
         self._names = set(store.dense_names())
         self.hc_head: tuple[Linear, np.ndarray, np.ndarray] | None = None
+        self.ple: dict[str, Any] | None = None  # Gemma 4 per-layer inputs
         if dense:
             self._load_dense()
         layout = store.layout
@@ -358,6 +363,7 @@ class Model:
         if spec.norm_offset:
             self.final_norm = self.final_norm + np.float32(spec.norm_offset)
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
+        self.ple = self._load_ple() if spec.per_layer_input is not None else None
         self.layers = [self._load_layer(layer) for layer in spec.layers]
         if spec.hc is not None:  # DeepSeek-V4's hyper-connection head
             N = spec.hc.hc_mult
@@ -499,6 +505,18 @@ class Model:
         w["o"] = self._linear(n["o"], d, H * a.v_head_dim)
         return w
 
+    def _load_ple(self) -> dict[str, object]:
+        """Per-layer input embedding weights (models.spec.PerLayerInputSpec): the table as
+        stored (rows dequantized per token), the projection and its norm."""
+        p, d = self.spec.per_layer_input, self.spec.d_model
+        lp = len(self.spec.layers) * p.hidden_size_per_layer_input
+        table = self._raw(f"{p.embed}.weight", (p.vocab_size_per_layer_input, lp))
+        return {
+            "embed": table,
+            "projection": self._linear(p.projection, lp, d),
+            "norm": self._vector(f"{p.norm}.weight", p.hidden_size_per_layer_input),
+        }
+
     def _load_indexer(self, spec: LayerSpec) -> dict[str, object]:
         """The DSA indexer's weights (spec.IndexerSpec): wq_b, wk, weights_proj and the
         LayerNorm k_norm's weight and bias."""
@@ -529,6 +547,11 @@ class Model:
                 w["w_uv"] = np.ascontiguousarray(w.pop("w_uv_t").transpose(0, 2, 1))
                 if not a.indexer.shared:
                     w |= self._load_indexer(spec)
+        elif a.kv_shared_from is not None or a.k_eq_v:  # Gemma 4: no v_proj (or no k/v)
+            w["q"] = self._linear(n["q"], a.n_heads * a.head_dim, d)
+            if a.kv_shared_from is None:
+                w["k"] = self._linear(n["k"], a.n_kv_heads * a.head_dim, d)
+            w["o"] = self._linear(n["o"], d, a.n_heads * a.v_head_dim)
         else:
             w |= {
                 "q": self._linear(n["q"], a.n_heads * a.head_dim * (1 + a.output_gate), d),
@@ -540,7 +563,8 @@ class Model:
                 w["qkv"] = qkv
         if a.qk_norm == "head":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
-            w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
+            if "k_norm" in n:  # absent on layers sharing another's keys (kv_shared_from)
+                w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.head_dim)
         elif a.qk_norm == "full":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.n_heads * a.head_dim)
             w["k_norm"] = self._vector(f"{n['k_norm']}.weight", a.n_kv_heads * a.head_dim)
@@ -565,10 +589,31 @@ class Model:
                 )
         if "shared_expert_gate" in n:
             w["shared_expert_gate"] = self._linear(n["shared_expert_gate"], 1, d)
+        w |= self._load_gemma(spec)
         if self.spec.norm_offset:  # zero-centred RMSNorm weights (ModelSpec.norm_offset)
             for role in ("input_norm", "post_norm", "q_norm", "k_norm"):
                 if role in w:
                     w[role] = w[role] + np.float32(self.spec.norm_offset)
+        return w
+
+    def _load_gemma(self, spec: LayerSpec) -> dict[str, object]:
+        """The Gemma 4 roles a layer has (LayerSpec: sandwich norms, router scales, per-layer
+        input gate and projection, layer_scalar); {} for other families."""
+        n, d = spec.names, self.spec.d_model
+        w: dict[str, object] = {
+            role: self._vector(f"{n[role]}.weight", d) for role in GEMMA_NORMS if role in n
+        }
+        if "router_scale" in n:
+            w["router_scale"] = self._vector(n["router_scale"], d)
+        if "per_expert_scale" in n:
+            e = self.spec.moe.router.num_experts
+            w["per_expert_scale"] = self._vector(n["per_expert_scale"], e)
+        if "layer_scalar" in n:
+            w["layer_scalar"] = self._vector(n["layer_scalar"], 1)
+        if "ple_gate" in n:
+            p = self.spec.per_layer_input.hidden_size_per_layer_input
+            w["ple_gate"] = self._linear(n["ple_gate"], p, d)
+            w["ple_proj"] = self._linear(n["ple_proj"], d, p)
         return w
 
     def _load_linear_attn(self, spec: LayerSpec) -> dict[str, object]:
@@ -618,6 +663,9 @@ class Model:
             total -= self.lm_head.nbytes
         if self.hc_head is not None:
             total += sum(i.nbytes for i in self.hc_head)
+        if self.ple is not None:
+            total += self.ple["embed"][0].nbytes + self.ple["projection"].nbytes
+            total += self.ple["norm"].nbytes
         return total
 
     # ---- steps ---------------------------------------------------------------------------
@@ -625,8 +673,30 @@ class Model:
         """tokens int [n] -> f32 [n, d_model]."""
         out = np.empty((len(tokens), self.spec.d_model), dtype=np.float32)
         ops.dequantize(self.embed_w[tokens], self.embed_qtype, out.shape, out=out)
+        if self.spec.embed_scale != 1.0:  # Gemma: times sqrt(hidden_size), in f32
+            out *= np.float32(self.spec.embed_scale)
         if self.spec.hc is not None:  # hyper-connections: hc_mult copies, f32 [n, N, d_model]
             return np.repeat(out[:, None, :], self.spec.hc.hc_mult, axis=1)
+        return out
+
+    def per_layer_inputs(self, tokens: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+        """Gemma 4's per-layer inputs (models.spec.PerLayerInputSpec) of tokens int [n] with
+        embeddings x f32 [n, d_model] (embed()): f32 [n, num_layers, P], or None when the
+        model has none. Gemma4TextModel.get_per_layer_inputs + project_per_layer_inputs."""
+        if self.ple is None:
+            return None
+        p, n, L = self.spec.per_layer_input, len(tokens), len(self.spec.layers)
+        P = p.hidden_size_per_layer_input
+        table, qtype = self.ple["embed"]
+        emb = np.empty((n, L * P), dtype=np.float32)
+        ops.dequantize(table[tokens], qtype, emb.shape, out=emb)
+        emb *= np.float32(P**0.5)
+        proj = self.ple["projection"](x, nthreads=self.nthreads)
+        proj *= np.float32(self.spec.d_model**-0.5)
+        proj = proj.reshape(n * L, P)
+        ops.rmsnorm(proj, proj, self.ple["norm"], self.spec.norm_eps)
+        out = proj.reshape(n, L, P) + emb.reshape(n, L, P)
+        out *= np.float32(2.0**-0.5)
         return out
 
     def attention(self, i: int, x: np.ndarray, kv: KVCache, pos0: int) -> None:
@@ -647,9 +717,14 @@ class Model:
             out = self._attention_dsa(i, h, kv, pos0)
         elif self.spec.layers[i].attention.mla is not None:
             out = self._attention_mla(i, h, kv, pos0)
+        elif self.spec.layers[i].attention.v_norm:
+            out = self._attention_gemma(i, h, kv, pos0)
         else:
             out = self._attention_gqa(i, h, kv, pos0)
-        x += w["o"](out.reshape(n, -1), nthreads=self.nthreads)
+        y = w["o"](out.reshape(n, -1), nthreads=self.nthreads)
+        if "attn_post_norm" in w:  # Gemma: the attention output is normed before the residual
+            ops.rmsnorm(y, y, w["attn_post_norm"], self.spec.norm_eps)
+        x += y
 
     def attention_batch(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
@@ -666,6 +741,8 @@ class Model:
             and a.mla is None
             and a.shared_kv is None
             and self.spec.hc is None
+            and not a.v_norm  # Gemma 4: its own attention, output normed before the residual
+            and "attn_post_norm" not in w
         )
         if len(xs) < 2 or not plain or not all(x.row_invariant for x in [*lins, w["o"]]):
             for x, kv, p in zip(xs, kvs, pos0, strict=True):
@@ -767,6 +844,36 @@ class Model:
             )
         if gate is not None:
             out *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
+        return out
+
+    def _attention_gemma(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """Gemma 4 attention of layer i on its normed input h f32 [n, d_model]
+        (Gemma4TextAttention): per-head RMSNorm of q and k (weights) and of v (none), RoPE on
+        q and k, softmax scale `a.scale`, the layer's sliding window. With k_eq_v the values
+        are the key projection before its norm; with kv_shared_from the layer computes only
+        queries and attends to that layer's cache (already holding these positions). Writes
+        its own keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, head_dim]."""
+        a, w, n = self.spec.layers[i].attention, self.layers[i], h.shape[0]
+        eps, hd = self.spec.norm_eps, a.head_dim
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        q = w["q"](h, nthreads=self.nthreads).reshape(n, a.n_heads, hd)
+        ops.rmsnorm(q, q, w["q_norm"], eps)
+        ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        src = i if a.kv_shared_from is None else a.kv_shared_from
+        if a.kv_shared_from is None:
+            k = w["k"](h, nthreads=self.nthreads).reshape(n, a.n_kv_heads, hd)
+            v = k.copy() if a.k_eq_v else w["v"](h, nthreads=self.nthreads)
+            v = v.reshape(n, a.n_kv_heads, hd)
+            ops.rmsnorm(k, k, w["k_norm"], eps)
+            ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+            ops.rmsnorm(v, v, None, eps)
+            kv.k[i][pos0 : pos0 + n] = k
+            kv.v[i][pos0 : pos0 + n] = v
+        out = np.empty((n, a.n_heads, hd), dtype=np.float32)
+        ops.attention(
+            out, q, kv.k[src], kv.v[src], n_kv=pos0 + n, q_pos0=pos0, scale=a.scale,
+            window=a.window, nthreads=self.nthreads,
+        )  # fmt: skip
         return out
 
     def _llama4_qk(self, a: AttentionSpec, q: np.ndarray, k: np.ndarray, pos: np.ndarray) -> None:
@@ -1031,11 +1138,13 @@ class Model:
 
     def post_norm(self, i: int, x: np.ndarray) -> np.ndarray:
         """The FFN input of layer i: post_attention_layernorm(x), f32 [n, d_model] (with
-        hyper-connections, x f32 [n, hc_mult, d_model]: of the streams' collapse)."""
+        hyper-connections, x f32 [n, hc_mult, d_model]: of the streams' collapse; Gemma 4: the
+        experts' input, pre_feedforward_layernorm_2(x))."""
         if self.spec.hc is not None:
             return self.ffn_input(i, x)[0]
         h = np.empty_like(x)
-        ops.rmsnorm(h, x, self.layers[i]["post_norm"], self.spec.norm_eps)
+        w = self.layers[i]
+        ops.rmsnorm(h, x, w.get("expert_norm", w["post_norm"]), self.spec.norm_eps)
         return h
 
     def ffn_input(
@@ -1079,18 +1188,33 @@ class Model:
         return table[tokens]
 
     def route(
-        self, i: int, h: np.ndarray, tokens: np.ndarray | None = None
+        self, i: int, h: np.ndarray, tokens: np.ndarray | None = None, x: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Layer i's router on FFN input h: (expert ids int32 [n, k], weights f32 [n, k]).
-        tokens int [n]: the token ids, which a hash-routed layer's choice is (required there)."""
+        tokens int [n]: the token ids, which a hash-routed layer's choice is (required there).
+        Gemma 4 routes the residual stream x f32 [n, d_model] instead (router_scale: the
+        router's input is RMSNorm(x) * router_scale / sqrt(d_model); Gemma4TextRouter)."""
         w = self.layers[i]
+        if "router_scale" in w:
+            if x is None:
+                raise ValueError(f"layer {i}: the router reads the residual stream x")
+            h = np.empty_like(x)
+            ops.rmsnorm(h, x, None, self.spec.norm_eps)
+            h *= w["router_scale"]
+            h *= np.float32(self.spec.d_model**-0.5)
         logits = w["router"](h, nthreads=self.nthreads)
         ids = None
         if self.spec.layers[i].hash_routed:
             if tokens is None:
                 raise ValueError(f"layer {i} is hash-routed: route() needs the token ids")
             ids = self.hash_experts(i, tokens)
-        return moe.route(self.spec.moe.router, logits, w.get("correction_bias"), ids)
+        return moe.route(
+            self.spec.moe.router,
+            logits,
+            w.get("correction_bias"),
+            ids,
+            w.get("per_expert_scale"),
+        )
 
     def _attention_v4(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """DeepSeek-V4 attention of layer i (spec.SharedKVSpec) on its normed input h f32
@@ -1159,11 +1283,20 @@ class Model:
         _, qts, act_q8 = self._experts.get(layer, self._experts[None])
         return (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)) or self.pad % 4 == 0
 
-    def dense_ffn(self, i: int, h: np.ndarray, out: np.ndarray) -> None:
+    def dense_ffn(
+        self, i: int, h: np.ndarray, out: np.ndarray, x: np.ndarray | None = None
+    ) -> None:
         """out += the dense part of layer i's FFN: a dense MLP, or the shared expert
-        (times sigmoid(shared_expert_gate(h)) when the family has that gate)."""
+        (times sigmoid(shared_expert_gate(h)) when the family has that gate). Gemma 4
+        (mlp_post_norm): the MLP reads pre_feedforward_layernorm(x) of the residual stream x
+        and its output is normed by post_feedforward_layernorm_1."""
         w = self.layers[i]
         n = h.shape[0]
+        if "mlp_post_norm" in w:
+            if x is None:
+                raise ValueError(f"layer {i}: the dense MLP reads the residual stream x")
+            h = np.empty_like(x)
+            ops.rmsnorm(h, x, w["post_norm"], self.spec.norm_eps)
         q8_invariant = all(
             lin._q8_invariant for kind in ("mlp", "shared") if kind in w for lin in w[kind]
         )
@@ -1173,8 +1306,11 @@ class Model:
             if kind not in w:
                 continue
             gate, up, down = w[kind]
-            act = self.spec.moe.shared_act if kind == "shared" else "silu"
+            act = self.spec.moe.shared_act if kind == "shared" else self.spec.dense_act
             y = np.zeros_like(h)
+            # d_ff not a multiple of 32: down_proj stays f32 under a block dense quant
+            qts = (gate.qtype, up.qtype, down.qtype)
+            mixed = len(set(qts)) > 1
             ops.expert_ffn(
                 y,
                 h,
@@ -1187,13 +1323,54 @@ class Model:
                 act=act,
                 limit=self.spec.moe.limit,
                 accumulate=False,
-                act_q8=gate.act_q8,
+                act_q8=gate.act_q8 and not mixed,
                 nthreads=self.nthreads,
+                qtypes=qts if mixed else None,
             )
             if "shared_expert_gate" in w and kind == "shared":
                 g = w["shared_expert_gate"](h)
                 y *= 1.0 / (1.0 + np.exp(-g))
+            if kind == "mlp" and "mlp_post_norm" in w:
+                ops.rmsnorm(y, y, w["mlp_post_norm"], self.spec.norm_eps)
             out += y[:n]
+
+    def sandwich(self, i: int) -> bool:
+        """Whether layer i's FFN output is normed before the residual (Gemma 4): then the
+        pipeline ends the layer with sandwich_residual() instead of adding the parts to x."""
+        return "ffn_post_norm" in self.layers[i]
+
+    def sandwich_residual(
+        self,
+        i: int,
+        x: np.ndarray,
+        dense: np.ndarray,
+        slots: np.ndarray,
+        ple: np.ndarray | None = None,
+    ) -> None:
+        """The end of Gemma 4 layer i (Gemma4TextDecoderLayer), in place on x f32 [n, d]:
+        x += ffn_post_norm(dense + expert_post_norm(sum_j slots[:, j])), with dense f32
+        [n, d] from dense_ffn() and slots f32 [n, k, d] the weighted expert outputs; then
+        x += ple_post_norm(ple_proj(gelu(ple_gate(x)) * ple[:, i])) with ple f32 [n, L, P]
+        (per_layer_inputs()), and x *= layer_scalar."""
+        w, eps = self.layers[i], self.spec.norm_eps
+        experts = np.zeros_like(x)
+        for j in range(slots.shape[1]):  # fixed order, whatever the arrival order
+            experts += slots[:, j]
+        ops.rmsnorm(experts, experts, w["expert_post_norm"], eps)
+        y = dense + experts
+        ops.rmsnorm(y, y, w["ffn_post_norm"], eps)
+        x += y
+        if "ple_gate" in w:
+            if ple is None:
+                raise ValueError(f"layer {i}: the per-layer inputs are missing")
+            g = w["ple_gate"](x, nthreads=self.nthreads)
+            ops.gelu(g, g)
+            g *= ple[:, i]
+            y = w["ple_proj"](g, nthreads=self.nthreads)
+            ops.rmsnorm(y, y, w["ple_post_norm"], eps)
+            x += y
+        if "layer_scalar" in w:
+            x *= w["layer_scalar"][0]
 
     def expert_ffn(
         self,
@@ -1273,4 +1450,9 @@ class Model:
             )  # fmt: skip
         h = np.empty_like(x)
         ops.rmsnorm(h, x, self.final_norm, self.spec.norm_eps)
-        return self.lm_head(h, nthreads=self.nthreads)
+        out = self.lm_head(h, nthreads=self.nthreads)
+        if (cap := self.spec.final_logit_softcapping) is not None:  # cap * tanh(logits / cap)
+            out /= np.float32(cap)
+            np.tanh(out, out=out)
+            out *= np.float32(cap)
+        return out

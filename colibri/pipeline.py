@@ -57,6 +57,9 @@ class _Step:
     # hyper-connections, during a MoE layer: (the streams, each entry's mix); the layer's
     # FFN output is summed into zeroed arrays and goes into the streams through the mix
     hc: tuple[list[np.ndarray], list[Any]] | None = None
+    # Gemma 4's per-layer inputs f32 [n_s, num_layers, P] per sequence (one entry over the
+    # stacked rows for fused batches), or () when the model has none
+    ples: list[np.ndarray | None] | tuple = ()
 
 
 @dataclass
@@ -239,11 +242,15 @@ class Pipeline:
     def _begin(self, tokens: list[np.ndarray], step: _Step) -> _Routed | list[np.ndarray]:
         """The first trip: embed every sequence's tokens into step.xs (views into one
         stacked array for fused batches), then _head from layer 0."""
-        step.xs = self._embed(tokens)
+        step.xs, ples = self._embed(tokens)
+        if ples[0] is not None:
+            step.ples = ples
         if self.fused:  # one array, each sequence's rows a view into it
             step.stacked = np.concatenate(step.xs)
             offsets = np.cumsum([0] + [len(x) for x in step.xs])
             step.xs = [step.stacked[a:b] for a, b in itertools.pairwise(offsets)]
+            if step.ples:
+                step.ples = [np.concatenate(step.ples)]
         return self._head(0, step)
 
     def _head(self, start: int, step: _Step) -> _Routed | list[np.ndarray]:
@@ -262,8 +269,11 @@ class Pipeline:
         fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
         return self._logits(step.xs, step.want, step.first, fused)
 
-    def _embed(self, tokens: list[np.ndarray]) -> list[np.ndarray]:
-        return [self.model.embed(np.asarray(t, dtype=np.int64)) for t in tokens]
+    def _embed(self, tokens: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """Per sequence the embeddings and the per-layer inputs (None: the model has none)."""
+        ids = [np.asarray(t, dtype=np.int64) for t in tokens]
+        xs = [self.model.embed(t) for t in ids]
+        return xs, [self.model.per_layer_inputs(t, x) for t, x in zip(ids, xs, strict=True)]
 
     def _logits(
         self, xs: list[np.ndarray], all_logits: list[bool], first: list[int], fused: bool
@@ -352,19 +362,19 @@ class Pipeline:
             h, mix = m.ffn_input(i, stacked)
             predicted = None
             if nxt is not None:
-                guess = m.route(nxt, m.post_norm(nxt, stacked))[0]
+                guess = m.route(nxt, m.post_norm(nxt, stacked), x=stacked)[0]
                 predicted = (nxt, np.unique(guess).tolist())
             every = None if tokens[0] is None else np.concatenate(tokens)
-            return [(h, *m.route(i, h, every))], predicted, [mix] if hc else None
+            return [(h, *m.route(i, h, every, x=stacked))], predicted, [mix] if hc else None
         routed, guesses, mixes = [], [], []
         for x, tok in zip(xs, tokens, strict=True):
             h, mix = m.ffn_input(i, x)
             mixes.append(mix)
-            routed.append((h, *m.route(i, h, tok)))
+            routed.append((h, *m.route(i, h, tok, x=x)))
             if nxt is not None:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
-                guesses.append(m.route(nxt, m.post_norm(nxt, x))[0].ravel())
+                guesses.append(m.route(nxt, m.post_norm(nxt, x), x=x)[0].ravel())
         predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
         return routed, predicted, mixes if hc else None
 
@@ -388,6 +398,7 @@ class Pipeline:
         """
         xs = self._ffn_targets(step, routed, mixes)
         slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
+        dense = self._sandwich(i, xs)
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
 
@@ -424,6 +435,7 @@ class Pipeline:
                         slots,
                         first,
                         None if pending else step,
+                        dense,
                     )
                     self.times.experts += len(batch)
                 finally:
@@ -457,6 +469,11 @@ class Pipeline:
         step.hc = (xs, mixes)
         return [np.zeros(h.shape, dtype=np.float32) for h, _, _ in routed]
 
+    def _sandwich(self, i: int, xs: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Gemma 4 (Model.sandwich): zeroed arrays where layer i's dense MLP output waits for
+        the experts'; else None (it is added to x at once)."""
+        return [np.zeros_like(x) for x in xs] if self.model.sandwich(i) else None
+
     async def _moe_elsewhere(
         self,
         i: int,
@@ -469,9 +486,10 @@ class Pipeline:
         shared expert runs here while their outputs travel; then the same slot-order sums and
         _head(i + 1) in the last trip, whose result it returns."""
         xs = self._ffn_targets(step, routed, mixes)
+        dense = self._sandwich(i, xs)
         call = asyncio.ensure_future(self.experts.ffn(i, routed, predicted))
         try:
-            await self._run(self._expert_step, i, [], xs, routed, [], True, None)
+            await self._run(self._expert_step, i, [], xs, routed, [], True, None, dense)
             t0 = time.perf_counter()
             slots = await call
             self.times.wait_io += time.perf_counter() - t0
@@ -479,7 +497,7 @@ class Pipeline:
             if not call.done():
                 call.cancel()
                 await asyncio.gather(call, return_exceptions=True)
-        result = await self._run(self._expert_step, i, [], xs, routed, slots, False, step)
+        result = await self._run(self._expert_step, i, [], xs, routed, slots, False, step, dense)
         self.times.experts += len(np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])))
         return result
 
@@ -492,13 +510,18 @@ class Pipeline:
         slots: list[np.ndarray],
         first: bool,
         last: _Step | None,
+        dense: list[np.ndarray] | None = None,
     ) -> _Routed | list[np.ndarray] | None:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
         ((expert, lease) pairs) on each sequence's tokens routed to them, and on the last
         trip (`last` = the step) the residual sums and _head(i + 1), whose result it
-        returns."""
+        returns. dense (Gemma 4, Model.sandwich): the dense MLP's output waits there and
+        Model.sandwich_residual ends the layer, with the per-layer inputs."""
         m = self.model
-        if first:
+        if first and dense is not None:
+            for x, (h, _, _), out in zip(xs, routed, dense, strict=True):
+                m.dense_ffn(i, h, out, x)
+        elif first:
             self._dense_ffn_batch(i, [h for h, _, _ in routed], xs)
         stack = len(routed) > 1 and m.expert_row_invariant(i)
         for e, lease in batch:
@@ -511,9 +534,14 @@ class Pipeline:
                     sl[tok, slot] = m.expert_ffn(lease.buffer, h, tok, weights[tok, slot], layer=i)
         if last is None:
             return None
-        for x, sl in zip(xs, slots, strict=True):
-            for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
-                x += sl[:, j]
+        if dense is not None:
+            ples = list(last.ples) or [None] * len(xs)
+            for x, sl, out, ple in zip(xs, slots, dense, ples, strict=True):
+                m.sandwich_residual(i, x, out, sl, ple)
+        else:
+            for x, sl in zip(xs, slots, strict=True):
+                for j in range(sl.shape[1]):  # fixed order, whatever the arrival order
+                    x += sl[:, j]
         if last.hc is not None:  # hyper-connections: xs are the FFN outputs
             streams, mixes = last.hc
             last.hc = None

@@ -51,14 +51,19 @@ def config(case: str, **overrides: Any) -> Any:
     n, types = kw.get("num_hidden_layers"), kw.get("layer_types")
     if types is not None and len(types) != n:  # the depth was overridden: repeat the pattern
         kw["layer_types"] = [types[i % len(types)] for i in range(n)]
+    if types is not None and kw.get("num_kv_shared_layers"):  # Gemma 4, at any depth: each
+        # layer type keeps a layer with its own keys and values before the shared ones
+        kw["num_kv_shared_layers"] = min(kw["num_kv_shared_layers"], n - len(set(types)))
     if "vision_config" in kw:
         # multimodal: the language model under text_config, the case's tiny vision tower
         vision = kw.pop("vision_config")
+        outer = kw.pop("outer_config", {})  # top-level fields of the multimodal config
         return transformers.AutoConfig.for_model(
             model_type,
             text_config=kw,
             vision_config=vision,
             tie_word_embeddings=kw.get("tie_word_embeddings"),
+            **outer,
         )
     # a family transformers builds as another type (kimi_k2: deepseek_v3); save() re-lays it
     hf_type = registry.family(model_type).text_model_type or model_type
@@ -77,7 +82,7 @@ def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """A tiny random *ForCausalLM of test case `model_type` (a CASES name; config
     `overrides` on top) in f32 eval mode, norms (around their init) and biases perturbed;
     DeepSeek/GLM `e_score_correction_bias` (0 by default) and gpt-oss attention sinks are
-    randomised too."""
+    randomised too, Gemma 4's router scales and layer scalars (1 by default) perturbed."""
     torch.manual_seed(seed)
     model = auto_class(model_type).from_config(config(model_type, **overrides)).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -94,6 +99,12 @@ def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # (init 1)
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("router.per_expert_scale"):  # Gemma 4, init 1
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("router.scale"):  # Gemma 4, init 1; times sqrt(hidden_size)
+                # to undo the router's 1/sqrt(d): else the tiny random router ties all the time
+                d = p.shape[0]
+                p.copy_((p + 0.3 * torch.randn(p.shape, generator=gen)) * d**0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid scores are in (0, 1)
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
@@ -101,7 +112,12 @@ def build(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                 n_exp = model.config.get_text_config().n_routed_experts
                 rows = [torch.randperm(n_exp, generator=gen)[: b.shape[1]] for _ in range(len(b))]
                 b.copy_(torch.stack(rows))
+            elif name.endswith("layer_scalar"):  # Gemma 4, init 1
+                b.copy_(b + 0.3 * torch.randn(b.shape, generator=gen))
     model.colibri_family = CASES[model_type][0]  # save() writes that family's layout
+    # generate() masks prompt tokens equal to the pad id out of attention; the tests' random
+    # prompts have no padding (Gemma 4's multimodal model needs a pad id for its own use)
+    model.generation_config.pad_token_id = None
     return model
 
 
@@ -189,15 +205,18 @@ def greedy(model: Any, ids: list[int], n: int) -> list[int]:
 def router_margins(mod: Any, logits: Any, bias: Any = None) -> Any:
     """Per token, the smallest margin at the cuts the router `mod` makes (groups kept, experts
     chosen), recomputed from its logits as the transformers router does (DeepSeek-V2/V3,
-    GLM-4.5, gpt-oss; MiniMax-M2, whose correction bias is a forward argument `bias`).
-    Returns a float tensor [n_tokens]."""
-    k, logits = mod.top_k, logits.float()
+    GLM-4.5, gpt-oss; MiniMax-M2, whose correction bias is a forward argument `bias`; Gemma 4,
+    whose router returns the probabilities it chooses on). Returns a float tensor [n_tokens]."""
+    logits = logits.float()
+    k = mod.top_k if hasattr(mod, "top_k") else mod.config.top_k_experts  # Gemma4TextRouter
     if bias is None:
         bias = getattr(mod, "e_score_correction_bias", None)
     if "GptOss" in type(mod).__name__ or "Llama4" in type(mod).__name__:
         choice = logits  # top-k on the (biased) logits
     elif "DeepseekV4" in type(mod).__name__:  # its scoring_func, then the bias
         choice = mod.score_fn(logits) + bias
+    elif type(mod).__name__ == "Gemma4TextRouter":
+        choice = logits  # already the softmax probabilities
     elif bias is not None:
         choice = logits.sigmoid() + bias
     else:
@@ -224,7 +243,8 @@ def choice_gap(model: Any, ids: list[int]) -> float:
     routers = [
         m
         for m in model.modules()
-        if type(m).__name__.lower().endswith("topkrouter") or type(m).__name__ == "Llama4Router"
+        if type(m).__name__.lower().endswith("topkrouter")
+        or type(m).__name__ in ("Llama4Router", "Gemma4TextRouter")
     ]
 
     def hook(mod: Any, args: Any, out: Any) -> None:
@@ -259,7 +279,10 @@ def save_with_tokenizer(model_type: str, path: Path, seed: int = 0) -> Any:
     if not OLMOE_TOKENIZER.exists():
         pytest.skip(f"shared data missing: {OLMOE_TOKENIZER}")
     torch.manual_seed(seed)
-    cfg = config(model_type, vocab_size=50304)
+    vocab = dict(vocab_size=50304)
+    if "vocab_size_per_layer_input" in CASES[model_type][1]:  # Gemma 4's per-layer table
+        vocab["vocab_size_per_layer_input"] = 50304
+    cfg = config(model_type, **vocab)
     model = auto_class(model_type).from_config(cfg).float().eval()
     model.colibri_family = CASES[model_type][0]
     save(model, path)

@@ -139,6 +139,15 @@ def reference_experts(model, arch: str, orig: dict[str, np.ndarray]):
                 I = gu.shape[1] // 2  # noqa: E741
                 down = ex.down_proj[e].float().detach().numpy().T  # [I, H] -> [H, I]
                 ref[(i, e)] = {"gate": gu[:, :I].T, "up": gu[:, I:].T, "down": down}
+    if arch in ("gemma4_text", "gemma4"):  # Gemma4TextExperts: gate_up_proj [E, 2I, H] fused
+        lm = getattr(model.model, "language_model", model.model)
+        for i, layer in enumerate(lm.layers):
+            ex = layer.experts
+            for e in range(ex.num_experts):
+                gu = ex.gate_up_proj[e].float().detach().numpy()
+                I = gu.shape[0] // 2  # noqa: E741
+                down = ex.down_proj[e].float().detach().numpy()
+                ref[(i, e)] = {"gate": gu[:I], "up": gu[I:], "down": down}
     return ref
 
 
@@ -245,7 +254,7 @@ def test_inspect_counts_match_transformers(tiny, tmp_path, capsys):
     per_expert = sum(int(np.prod(t.shape)) for t in store.layout.tensors.values())
     dense = d["params_total"] - len(store.records) * per_expert
     text = model.config.get_text_config()
-    k = text.num_experts_per_tok
+    k = getattr(text, "num_experts_per_tok", None) or text.top_k_experts  # Gemma 4's name
     assert d["params_active"] == dense + len(store.moe_layers) * k * per_expert
     num_experts = getattr(text, registry.family(arch).num_experts_key)
     assert (d["experts"], d["top_k"], d["architecture"]) == (num_experts, k, arch)

@@ -25,7 +25,17 @@ torch, transformers = hf_models.torch, hf_models.transformers
 PROBES = {"sliding_window": {"use_sliding_window": True}}
 # keys transformers computes from others when left out (colibri computes them the same way)
 # computed by the config class (not defaults): + Llama4TextConfig's no_rope_layers, moe_layers
-COMPUTED = {"layer_types", "mlp_layer_types", "indexer_types", "no_rope_layers", "moe_layers"}
+# Gemma4TextConfig's per_layer_config
+COMPUTED = {
+    "layer_types", "mlp_layer_types", "indexer_types", "no_rope_layers", "moe_layers",
+    "per_layer_config",
+}  # fmt: skip
+# families whose class default has no experts (Gemma 4: a dense model unless enable_moe_block)
+MOE_ON = {
+    "gemma4_text": dict(
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64
+    )
+}
 # spellings of the rope settings; Family.resolve_config folds them into rope_parameters
 ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
 
@@ -36,7 +46,8 @@ def hf_config(model_type: str, **kw):
 
 
 def _value(config, key):
-    return config.to_dict().get(key, getattr(config, key, None))
+    d = config.to_dict()  # Gemma 4's config raises on per-layer attributes read globally
+    return d[key] if key in d else getattr(config, key, None)
 
 
 @pytest.mark.parametrize("model_type", registry.SUPPORTED)
@@ -77,7 +88,9 @@ def test_every_key_read_has_the_transformers_default(model_type):
     """Each key model_spec reads is in the defaults table, or transformers has no such
     field (then absent means None for both), or is computed from others as transformers does."""
     fam = registry.family(model_type)
-    cfg = _Recorder(fam.resolve_config({"model_type": model_type, "num_experts_per_tok": 2}))
+    given = {"model_type": model_type, "num_experts_per_tok": 2}
+    given |= MOE_ON.get(fam.text_model_type or model_type, {})
+    cfg = _Recorder(fam.resolve_config(given))
     fam.model_spec(cfg)
     hf = hf_config(model_type)
     for key in cfg.read - set(fam.defaults) - ROPE_KEYS - COMPUTED - {"model_type"}:
@@ -131,6 +144,8 @@ def test_spec_resolves_what_transformers_resolves(model_type, minimal):
     builds from the same dict (AutoConfig.for_model): sizes, top-k, expert count, norm eps,
     tied embeddings, heads, RoPE frequencies and scale, sliding windows, routing settings."""
     fam = registry.family(model_type)
+    if (fam.text_model_type or model_type) == "gemma4_text":
+        pytest.skip("per-layer-type RoPE and head dims: test_gemma4.py resolves its configs")
     given = {"num_experts_per_tok": 6, **minimal}  # DeepseekV2Config's default is None
     # copies: transformers fills rope dicts in place (glm4_moe's partial_rotary_factor would
     # leak into the next family's case through the shared MINIMAL dict)

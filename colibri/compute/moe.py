@@ -15,6 +15,8 @@ Variants (sources: the transformers reference implementations named below):
 - sqrt(softplus) scores, otherwise as sigmoid without groups (DeepSeek-V4;
   DeepseekV4TopKRouter), and its hash layers, whose experts are given (`ids`: tid2eid of the
   token ids, DeepseekV4HashRouter) and only weighted by the scores.
+- any of these (but hash routing) with a learned per-expert scale multiplying the chosen weights (Gemma 4:
+  softmax, top-k, renormalised, times `per_expert_scale[id]`; Gemma4TextRouter).
 """
 
 from __future__ import annotations
@@ -49,14 +51,29 @@ def route(
     logits: np.ndarray,
     correction_bias: np.ndarray | None = None,
     ids: np.ndarray | None = None,
+    expert_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose experts for each token.
 
     logits: f32 [n, num_experts] (router output, bias included). correction_bias: f32
     [num_experts] or None, used for choosing only. ids: int [n, top_k] experts already chosen
-    (hash routing), or None. Returns (ids int32 [n, top_k], weights f32 [n, top_k]), ids in
-    descending order of the choice score, ties to the lowest id (given ids: as given).
+    (hash routing), or None. expert_scale: f32 [num_experts] or None, multiplies each chosen
+    expert's final weight (Gemma 4's `router.per_expert_scale`). Returns (ids int32 [n,
+    top_k], weights f32 [n, top_k]), ids in descending order of the choice score, ties to the
+    lowest id (given ids: as given).
     """
+    ids, weights = _route(spec, logits, correction_bias, ids)
+    if expert_scale is not None:
+        weights = np.ascontiguousarray(weights * expert_scale[ids], dtype=np.float32)
+    return ids, weights
+
+
+def _route(
+    spec: RouterSpec,
+    logits: np.ndarray,
+    correction_bias: np.ndarray | None,
+    ids: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
     n, e = logits.shape
     k = spec.top_k
     if spec.scoring == "topk_softmax":

@@ -1,6 +1,6 @@
 """Rotary position embedding tables: inverse frequencies and the attention scaling factor.
 
-Ports transformers' `modeling_rope_utils` (default, linear, llama3, yarn) to numpy, in
+Ports transformers' `modeling_rope_utils` (default, linear, llama3, yarn, proportional) to numpy, in
 float32 like the reference, so angles match it bit for bit before cos/sin. The rotation itself
 is the C kernel `ops.rope`.
 """
@@ -40,7 +40,10 @@ def inv_freq(
     Raises ValueError naming an unsupported `rope_type`.
     Sources: RoFormer (arXiv:2104.09864); linear position interpolation (arXiv:2306.15595);
     Llama 3.1 frequency scaling (Meta's reference `apply_scaling`); YaRN (arXiv:2309.00071),
-    as implemented by transformers.
+    as implemented by transformers; "proportional" (Gemma 4,
+    `_compute_proportional_rope_parameters`): `dim` is the whole head, of whose dim // 2
+    angles the first int(partial_rotary_factor * dim // 2) rotate at the default frequencies
+    of `dim` and the rest have frequency 0 (cos 1, sin 0: those pairs pass unrotated).
     """
     base = float(params["rope_theta"])
     kind = params["rope_type"]
@@ -64,6 +67,11 @@ def inv_freq(
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if kind == "yarn":
         return _yarn(params, dim, base, max_position_embeddings)
+    if kind == "proportional":  # Gemma 4: the first angles rotate, the rest stay (freq 0)
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * dim // 2)
+        out = np.zeros(dim // 2, dtype=np.float32)
+        out[:angles] = freq[:angles]
+        return (out / np.float32(params.get("factor", 1.0))).astype(np.float32), 1.0
     raise ValueError(f"config field rope_type: unsupported value {kind!r}")
 
 

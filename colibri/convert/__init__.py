@@ -33,7 +33,7 @@ KEEP = "keep"
 # dense tensors that always stay f32 whatever --dense-quant says (besides every 1-D tensor)
 _F32_NAMES = re.compile(
     r"(\.mlp\.gate\.weight|\.block_sparse_moe\.gate\.weight|\.mlp\.router\.weight"
-    r"|\.feed_forward\.router\.weight"
+    r"|\.feed_forward\.router\.weight|\.router\.proj\.weight"
     r"|\.shared_expert_gate\.weight|norm\.weight|e_score_correction_bias|\.bias|\.sinks"
     r"|\.indexer\.weights_proj\.weight"
     # DeepSeek-V4: router, hash table, compressor position biases, hyper-connection maps

@@ -52,6 +52,7 @@ from typing import Any
 import xxhash
 
 from colibri.errors import StoreError
+from colibri.io.config import text_view
 from colibri.io.format import ExpertRecord
 from colibri.io.reader import DEMAND, PREFETCH, Reader
 
@@ -494,7 +495,8 @@ class ExpertCache:
         self.pinned = frozenset(pinned)
         if min_slots is None:
             config = getattr(store, "config", None) or {}
-            min_slots = int(config.get("num_experts_per_tok", 2))
+            top_k = config.get("num_experts_per_tok") or text_view(config).get("top_k_experts")
+            min_slots = int(top_k or 2)  # Gemma 4 spells it top_k_experts
         need = min_slots + len(self.pinned)
         where = getattr(store, "experts_path", "the store")
         if self.pool.slot_nbytes < self.record_nbytes:

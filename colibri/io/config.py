@@ -26,6 +26,7 @@ POSITIVE_INT = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "num_experts_per_tok",
+    "top_k_experts",
     "num_experts",
     "num_local_experts",
     "n_routed_experts",
@@ -161,9 +162,10 @@ def check_config(config: Any, where: str | Path) -> dict[str, Any]:
     for key in OBJECT:
         if isinstance(config.get(key), dict):
             _check_rope(config[key], f"{where}: field {key!r}")
-    n_exp, top_k = num_experts(config), config.get("num_experts_per_tok")
-    if n_exp is not None and top_k is not None and top_k > n_exp:
-        raise bad("num_experts_per_tok", f"more than the {n_exp} routed experts")
+    for key in ("num_experts_per_tok", "top_k_experts"):  # Gemma 4 spells it top_k_experts
+        n_exp, top_k = num_experts(config), config.get(key)
+        if n_exp is not None and top_k is not None and top_k > n_exp:
+            raise bad(key, f"more than the {n_exp} routed experts")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise bad("num_key_value_heads", f"does not divide num_attention_heads {heads}")

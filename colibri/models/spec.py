@@ -162,6 +162,33 @@ class AttentionSpec:
     # "main" one on sliding_attention layers, "compress" on compressed ones), applied to the
     # TRAILING rot_dim dims of each head; window = sliding_window
     shared_kv: SharedKVSpec | None = None
+    # Gemma 4: v_norm: a weightless RMSNorm of each value head (Gemma4TextAttention.v_norm);
+    # k_eq_v (attention_k_eq_v, full layers): no v_proj, the values are the keys' projection
+    # before k_norm and RoPE; kv_shared_from (num_kv_shared_layers): the layer has no k/v
+    # projections and attends to the cache of that earlier layer (the last of its type)
+    v_norm: bool = False
+    k_eq_v: bool = False
+    kv_shared_from: int | None = None
+
+
+@dataclass(frozen=True)
+class PerLayerInputSpec:
+    """Gemma 4's per-layer input embeddings (PLE; Gemma4TextModel.get_per_layer_inputs /
+    project_per_layer_inputs), config names.
+
+    Per token, [num_hidden_layers, hidden_size_per_layer_input]:
+    (RMSNorm(projection(x_emb) / sqrt(hidden_size)) + embed[token] * sqrt(P)) / sqrt(2), with
+    x_emb the scaled token embedding, embed [vocab_size_per_layer_input, L * P], projection
+    [L * P, hidden_size] and norm [P] (tensor names below). Layer i ends with
+    x += post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(x)) * ple_i))
+    (LayerSpec roles ple_gate, ple_proj, ple_post_norm).
+    """
+
+    hidden_size_per_layer_input: int
+    vocab_size_per_layer_input: int
+    embed: str = "model.embed_tokens_per_layer"
+    projection: str = "model.per_layer_model_projection"
+    norm: str = "model.per_layer_projection_norm"
 
 
 @dataclass(frozen=True)
@@ -228,6 +255,12 @@ class LayerSpec:
     #        (MLA: q or q_a q_a_norm q_b, kv_a kv_a_norm kv_b, o)
     #        shared_gate_proj shared_up_proj shared_down_proj shared_expert_gate
     #        mlp_gate_proj mlp_up_proj mlp_down_proj sinks
+    #        Gemma 4 (the FFN is a dense MLP beside the experts, each with its norms):
+    #        attn_post_norm (on the attention output), post_norm (pre_feedforward_layernorm:
+    #        the MLP's input), expert_norm (the experts' input), mlp_post_norm,
+    #        expert_post_norm, ffn_post_norm (on their sum), router_scale, per_expert_scale
+    #        (router: RMSNorm(x) * router_scale / sqrt(d) -> proj), ple_gate ple_proj
+    #        ple_post_norm (PerLayerInputSpec), layer_scalar (multiplies the layer's output)
     # shared_expert_gate present: sigmoid(shared_expert_gate(x)) scales the shared expert.
     names: dict[str, str] = field(default_factory=dict)
     mlp_d_ff: int = 0  # intermediate size of the dense MLP (mlp_* roles)
@@ -257,6 +290,13 @@ class ModelSpec:
     # Qwen3NextRMSNorm: 1 + w); applies to input/post/q/k norms and the final norm
     norm_offset: float = 0.0
     hc: HyperConnectionSpec | None = None  # DeepSeek-V4's multi-stream residual
+    # Gemma: the token embedding times embed_scale (sqrt(hidden_size)); the logits soft-capped
+    # as cap * tanh(logits / cap) (final_logit_softcapping); the dense MLP's activation
+    # ("silu": SwiGLU; "gelu": gelu_pytorch_tanh); per-layer input embeddings
+    embed_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    dense_act: Literal["silu", "gelu"] = "silu"
+    per_layer_input: PerLayerInputSpec | None = None
 
 
 def get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -458,6 +498,11 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     `<name>.bias` [out_features]; sinks and e_score_correction_bias are named as they are."""
     d, E = spec.d_model, spec.moe.router.num_experts
     out: dict[str, tuple[int, ...]] = {f"{spec.embed}.weight": (spec.vocab_size, d)}
+    if (ple := spec.per_layer_input) is not None:
+        lp = len(spec.layers) * ple.hidden_size_per_layer_input
+        out[f"{ple.embed}.weight"] = (ple.vocab_size_per_layer_input, lp)
+        out[f"{ple.projection}.weight"] = (lp, d)
+        out[f"{ple.norm}.weight"] = (ple.hidden_size_per_layer_input,)
     for layer in spec.layers:
         a, n = layer.attention, layer.names
         shapes: dict[str, tuple[int, ...]] = {"input_norm": (d,), "post_norm": (d,)}
@@ -483,6 +528,10 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {"q_norm": (q_out,), "k_norm": (a.n_kv_heads * a.head_dim,)}
         if a.sinks:
             shapes["sinks"] = (a.n_heads,)
+        for role in ("k", "v", "k_norm") if a.kv_shared_from is not None else ():
+            shapes.pop(role, None)
+        if a.k_eq_v:
+            shapes.pop("v", None)
         if a.shared_kv is not None:  # DeepSeek-V4: its own attention tensors
             shapes = {"input_norm": (d,), "post_norm": (d,)}
             shapes |= shared_kv_shapes(layer, d, spec.hc, spec.vocab_size, spec.moe.router.top_k)
@@ -503,8 +552,9 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                 shapes[f"{kind}_down_proj"] = (d, ff)
         if "shared_expert_gate" in n:
             shapes["shared_expert_gate"] = (1, d)
+        shapes |= gemma_shapes(spec, layer)
         for role, shape in shapes.items():
-            if role in ("sinks", "correction_bias", "dt_bias", "A_log", *V4_BARE_ROLES):
+            if role in ("sinks", "correction_bias", "dt_bias", "A_log", *V4_BARE_ROLES, *GEMMA_RAW):
                 out[n[role]] = shape
                 continue
             out[f"{n[role]}.weight"] = shape
@@ -517,6 +567,27 @@ def dense_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     out[f"{spec.final_norm}.weight"] = (d,)
     if spec.lm_head != spec.embed:
         out[f"{spec.lm_head}.weight"] = (spec.vocab_size, d)
+    return out
+
+
+GEMMA_NORMS = (
+    "attn_post_norm", "expert_norm", "mlp_post_norm", "expert_post_norm", "ffn_post_norm",
+    "ple_post_norm",
+)  # fmt: skip
+GEMMA_RAW = ("router_scale", "per_expert_scale", "layer_scalar")  # named without ".weight"
+
+
+def gemma_shapes(spec: ModelSpec, layer: LayerSpec) -> dict[str, tuple[int, ...]]:
+    """role -> shape of the Gemma 4 layer tensors `layer.names` has (see LayerSpec)."""
+    n, d = layer.names, spec.d_model
+    out: dict[str, tuple[int, ...]] = {r: (d,) for r in (*GEMMA_NORMS, "router_scale") if r in n}
+    if "per_expert_scale" in n:
+        out["per_expert_scale"] = (spec.moe.router.num_experts,)
+    if "layer_scalar" in n:
+        out["layer_scalar"] = (1,)
+    if "ple_gate" in n and spec.per_layer_input is not None:
+        p = spec.per_layer_input.hidden_size_per_layer_input
+        out |= {"ple_gate": (p, d), "ple_proj": (d, p)}
     return out
 
 
