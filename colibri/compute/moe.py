@@ -15,7 +15,7 @@ Variants (sources: the transformers reference implementations named below):
 - sqrt(softplus) scores, otherwise as sigmoid without groups (DeepSeek-V4;
   DeepseekV4TopKRouter), and its hash layers, whose experts are given (`ids`: tid2eid of the
   token ids, DeepseekV4HashRouter) and only weighted by the scores.
-- any of these (but hash routing) with a learned per-expert scale multiplying the chosen weights (Gemma 4:
+- any of these with a learned per-expert scale multiplying the chosen weights (Gemma 4:
   softmax, top-k, renormalised, times `per_expert_scale[id]`; Gemma4TextRouter).
 """
 
