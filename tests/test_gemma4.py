@@ -56,7 +56,7 @@ def test_route_matches_transformers_router(experts, k):
     spec = model_spec(config.to_dict()).moe.router
     assert (spec.scoring, spec.norm_topk_prob, spec.top_k) == ("softmax", True, k)
     ours_ids, ours_w = moe.route(
-        spec, logits.numpy(), None, router.per_expert_scale.detach().numpy()
+        spec, logits.numpy(), None, expert_scale=router.per_expert_scale.detach().numpy()
     )
     margins = hf_models.router_margins(router, probs).numpy()
     compared = 0
