@@ -13,6 +13,15 @@ local ray.cluster_utils.Cluster, with a wall timeout; a case that fails prints i
 Cases: actor-1node / actor-2nodes (two async echo actors, one call each in parallel, as
 colibri/cluster/client.py does per MoE layer), cgraph-1node / cgraph-2nodes (the same two
 actors in one compiled graph, execute() then ray.get). Figures: median ms per round trip.
+
+Measured 2026-12-01 (2-core AMD EPYC, load average 7-11 from other jobs; two runs, ms):
+actor-1node 2.75 / 4.09, actor-2nodes 3.00 / 3.68, cgraph-1node 0.81 / 1.06, cgraph-2nodes
+1.47 / 1.46 (compile 1.3-3.7 s, first execution 3-6 s). Earlier probes on the same machine
+also saw a 2-node compiled graph stop after its first execution (RayChannelTimeoutError
+"Timed out acquiring the read lock" after RAY_CGRAPH_get_timeout = 10 s, then a raylet
+check failure in MutableObjectProvider::HandlePushMutableObject and a driver segfault at
+teardown), and an enable_asyncio graph over an async actor whose method waited on the
+actor's event loop (asyncio.run_coroutine_threadsafe) hang: not yet safe for client.py.
 """
 
 from __future__ import annotations
