@@ -127,6 +127,29 @@ def test_fp8_e4m3_decoding_vs_torch():
     np.testing.assert_array_equal(ops.dequantize(rows, "fp8", (1, 256))[0], want)
 
 
+def test_fp8_matvec_q8_every_code_vs_torch(isa):
+    """FP8 matvec on Q8_0 activations (the kernels' f16 route to e4m3) over all 256 codes:
+    the row without NaN codes equals float64 torch-decoded weights @ gguf-dequantized xq, the
+    row holding the NaN codes gives NaN, and each equals the batched (n = 3) result."""
+    codes = np.arange(256, dtype=np.uint8)
+    clean = np.where((codes & 0x7F) == 0x7F, 0, codes).astype(np.uint8)
+    rng = np.random.default_rng(11)
+    rows = fmt.fp8_rows(np.stack([clean, codes]), np.array([[0.5, 3.0]], np.float32))
+    w = torch.from_numpy(np.stack([clean, codes])).view(torch.float8_e4m3fn).double().numpy()
+    w[:, :128] *= 0.5
+    w[:, 128:] *= 3.0
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    xq = ops.quantize_act(x)
+    xd = ref.dequantize(xq, int(ops.QType.Q8_0), x.shape).astype(np.float64)
+    y3 = ops.matmul_q8(rows, "fp8", xq, np.empty((3, 2), np.float32))
+    for i in range(3):
+        y = ops.matmul_q8(rows, "fp8", xq[i], np.empty(2, np.float32))
+        want = w[0] @ xd[i]
+        assert abs(y[0] - want) <= 1e-5 * (np.abs(w[0]) @ np.abs(xd[i])), (i, y[0], want)
+        assert np.isnan(y[1]) and np.isnan(y3[i, 1])
+        assert abs(y3[i, 0] - want) <= 1e-5 * (np.abs(w[0]) @ np.abs(xd[i]))
+
+
 @pytest.mark.parametrize("rows,cols", [(200, 300), (128, 128), (1, 77), (257, 129)])
 def test_fp8_hub_layout_roundtrip(rows, cols):
     """DeepSeek-V3's weight (e4m3) + weight_scale_inv (128x128 blocks, ragged edges) -> store
