@@ -295,6 +295,40 @@ def quantize_act(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return quantize(x, QType.Q8_0, out)
 
 
+def _matmul_act_args(
+    what: str,
+    w: Buffer,
+    qt: QType,
+    types: frozenset[QType],
+    xq: np.ndarray,
+    out: np.ndarray,
+    act_name: str,
+    block_nbytes: int,
+    block_cols: int,
+) -> tuple[int, int, int]:
+    """Check matmul_q8 / matmul_q8k's arguments (weights of `types`, xq rows of `act_name`
+    blocks of block_nbytes bytes per block_cols values); returns (n, cols, rows)."""
+    if qt not in types:
+        valid = ", ".join(sorted(q.name for q in types))
+        raise KernelError(f"{what}: weights must be one of {valid}, got {qt.name}")
+    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
+        raise KernelError(f"{what}: xq must be a C-contiguous uint8 numpy array ({act_name})")
+    _f32(out, f"{what}: out", writable=True)
+    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
+        raise KernelError(
+            f"{what}: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
+            "or [n, row bytes] and [n, rows]"
+        )
+    if xq.shape[-1] % block_nbytes:
+        raise KernelError(f"{what}: xq rows of {xq.shape[-1]} bytes are not {act_name} blocks")
+    n = xq.shape[0] if xq.ndim == 2 else 1
+    cols, rows = xq.shape[-1] // block_nbytes * block_cols, out.shape[-1]
+    want = rows * _row_nbytes(qt, cols)
+    if (got := _nbytes(w, f"{what}: w")) != want:
+        raise KernelError(f"{what}: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    return n, cols, rows
+
+
 def matmul_q8(
     w: Buffer, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
 ) -> np.ndarray:
@@ -311,23 +345,7 @@ def matmul_q8(
     Raises KernelError for another weight type or any shape, dtype or size mismatch.
     """
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
-    if qt not in Q8_ACT_TYPES:
-        valid = ", ".join(sorted(q.name for q in Q8_ACT_TYPES))
-        raise KernelError(f"matmul_q8: weights must be one of {valid}, got {qt.name}")
-    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
-        raise KernelError("matmul_q8: xq must be a C-contiguous uint8 numpy array (Q8_0 blocks)")
-    _f32(out, "matmul_q8: out", writable=True)
-    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
-        raise KernelError(
-            f"matmul_q8: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
-            "or [n, row bytes] and [n, rows]"
-        )
-    if xq.shape[-1] % 34:
-        raise KernelError(f"matmul_q8: xq rows of {xq.shape[-1]} bytes are not Q8_0 blocks")
-    n, cols, rows = (xq.shape[0] if xq.ndim == 2 else 1), xq.shape[-1] // 34 * 32, out.shape[-1]
-    want = rows * _row_nbytes(qt, cols)
-    if (got := _nbytes(w, "matmul_q8: w")) != want:
-        raise KernelError(f"matmul_q8: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    n, cols, rows = _matmul_act_args("matmul_q8", w, qt, Q8_ACT_TYPES, xq, out, "Q8_0", 34, 32)
     rc = lib.clb_matmul_q8(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
     if rc:
         _check(rc, f"matmul_q8({qt.name}, rows={rows}, cols={cols}, n={n})")
@@ -374,24 +392,9 @@ def matmul_q8k(
     from quantize_q8_k; out: float32 [n, rows] or [rows] (same ndim as xq). Returns out.
     Raises KernelError for another weight type or any shape, dtype or size mismatch."""
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
-    if qt not in Q8K_ACT_TYPES:
-        valid = ", ".join(sorted(q.name for q in Q8K_ACT_TYPES))
-        raise KernelError(f"matmul_q8k: weights must be one of {valid}, got {qt.name}")
-    if not (isinstance(xq, np.ndarray) and xq.dtype == np.uint8 and xq.flags.c_contiguous):
-        raise KernelError("matmul_q8k: xq must be a C-contiguous uint8 numpy array (Q8_K)")
-    _f32(out, "matmul_q8k: out", writable=True)
-    if xq.ndim not in (1, 2) or out.ndim != xq.ndim or xq.shape[:-1] != out.shape[:-1]:
-        raise KernelError(
-            f"matmul_q8k: xq {xq.shape} and out {out.shape} must be [row bytes] and [rows], "
-            "or [n, row bytes] and [n, rows]"
-        )
-    if xq.shape[-1] % Q8K_BLOCK_NBYTES:
-        raise KernelError(f"matmul_q8k: xq rows of {xq.shape[-1]} bytes are not Q8_K blocks")
-    n = xq.shape[0] if xq.ndim == 2 else 1
-    cols, rows = xq.shape[-1] // Q8K_BLOCK_NBYTES * 256, out.shape[-1]
-    want = rows * _row_nbytes(qt, cols)
-    if (got := _nbytes(w, "matmul_q8k: w")) != want:
-        raise KernelError(f"matmul_q8k: w has {got} bytes, {qt.name} [{rows}, {cols}] needs {want}")
+    n, cols, rows = _matmul_act_args(
+        "matmul_q8k", w, qt, Q8K_ACT_TYPES, xq, out, "Q8_K", Q8K_BLOCK_NBYTES, 256
+    )
     rc = lib.clb_matmul_q8k(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
     if rc:
         _check(rc, f"matmul_q8k({qt.name}, rows={rows}, cols={cols}, n={n})")
@@ -419,6 +422,67 @@ def _opt_f32(a: np.ndarray | None, size: int, name: str) -> np.ndarray | None:
     if a is not None and _f32(a, name).size != size:
         raise KernelError(f"{name} must have {size} elements, got {a.size}")
     return a
+
+
+def _ffn_args(
+    what: str,
+    out: np.ndarray,
+    x: np.ndarray,
+    weights: tuple[Buffer, Buffer, Buffer],
+    qts: tuple[QType, ...],
+    d_model: int,
+    d_ff: int,
+    act: Act | str | int,
+    biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None],
+    row_weight: np.ndarray | None,
+) -> tuple[Act, int]:
+    """Check an expert FFN's arguments (gate / up / down stored as qts); returns (act, n)."""
+    if len(qts) != 3:
+        raise KernelError(f"{what}: qtypes must be (gate, up, down), got {len(qts)} types")
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, what)
+    if cols != d_model or rows != d_model:
+        raise KernelError(f"{what}: x {x.shape} and out {out.shape} need d_model={d_model}")
+    g_qt, u_qt, d_qt = qts
+    wants = (d_ff * _row_nbytes(g_qt, d_model), d_ff * _row_nbytes(u_qt, d_model),
+             d_model * _row_nbytes(d_qt, d_ff))  # fmt: skip
+    for name, buf, qt, want in zip(("gate", "up", "down"), weights, qts, wants, strict=True):
+        if (got := _nbytes(buf, f"{what}: {name}")) != want:
+            raise KernelError(f"{what}: {name} has {got} bytes, {qt.name} needs {want}")
+    gate_bias, up_bias, down_bias = biases
+    _opt_f32(gate_bias, d_ff, f"{what}: gate_bias")
+    _opt_f32(up_bias, d_ff, f"{what}: up_bias")
+    _opt_f32(down_bias, d_model, f"{what}: down_bias")
+    _opt_f32(row_weight, n, f"{what}: row_weight")
+    return a, n
+
+
+def _ffn_scratch(
+    scratch: np.ndarray | None,
+    act_q8: bool,
+    qts: tuple[QType, ...],
+    n: int,
+    d_model: int,
+    d_ff: int,
+) -> tuple[np.ndarray, object]:
+    """expert_ffn's f32 scratch (checked, or the per-thread one) and Q8_0 scratch (NULL unless
+    act_q8, whose weight types it checks)."""
+    if scratch is None:
+        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
+    elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
+        raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
+    qs = ffi.NULL
+    if act_q8:
+        if bad := [q.name for q in qts if q not in Q8_ACT_TYPES]:
+            got = bad[0] if len(qts) == 1 else bad
+            raise KernelError(f"expert_ffn: act_q8 needs Q8_ACT_TYPES weights, got {got}")
+        qs = ffi.from_buffer(
+            _scratch(
+                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
+                np.uint8,
+            )
+        )  # fmt: skip
+    return scratch, qs
 
 
 def expert_ffn(
@@ -469,32 +533,11 @@ def expert_ffn(
             scratch=scratch, act_q8=act_q8, nthreads=nthreads,
         )  # fmt: skip
     qt = qtype if type(qtype) is QType else QType.parse(qtype)
-    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
-    n, cols, rows = _rows_x(x, out, "expert_ffn")
-    if cols != d_model or rows != d_model:
-        raise KernelError(f"expert_ffn: x {x.shape} and out {out.shape} need d_model={d_model}")
-    w_in, w_out = d_ff * _row_nbytes(qt, d_model), d_model * _row_nbytes(qt, d_ff)
-    for name, buf, want in (("gate", gate, w_in), ("up", up, w_in), ("down", down, w_out)):
-        if (got := _nbytes(buf, f"expert_ffn: {name}")) != want:
-            raise KernelError(f"expert_ffn: {name} has {got} bytes, {qt.name} needs {want}")
-    _opt_f32(gate_bias, d_ff, "expert_ffn: gate_bias")
-    _opt_f32(up_bias, d_ff, "expert_ffn: up_bias")
-    _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
-    _opt_f32(row_weight, n, "expert_ffn: row_weight")
-    if scratch is None:
-        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
-    elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
-        raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
-    qs = ffi.NULL
-    if act_q8:
-        if qt not in Q8_ACT_TYPES:
-            raise KernelError(f"expert_ffn: act_q8 needs Q8_ACT_TYPES weights, got {qt.name}")
-        qs = ffi.from_buffer(
-            _scratch(
-                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
-                np.uint8,
-            )
-        )  # fmt: skip
+    a, n = _ffn_args(
+        "expert_ffn", out, x, (gate, up, down), (qt, qt, qt), d_model, d_ff, act,
+        (gate_bias, up_bias, down_bias), row_weight,
+    )  # fmt: skip
+    scratch, qs = _ffn_scratch(scratch, act_q8, (qt,), n, d_model, d_ff)
     rc = lib.clb_expert_ffn(
         qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
         ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
@@ -533,19 +576,10 @@ def expert_ffn_q8k(
     qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
     if len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts):
         raise KernelError(f"expert_ffn_q8k: gate/up/down must be Q4_K, Q5_K or Q6_K, got {qts}")
-    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
-    n, cols, rows = _rows_x(x, out, "expert_ffn_q8k")
-    if cols != d_model or rows != d_model:
-        raise KernelError(f"expert_ffn_q8k: x {x.shape} and out {out.shape} need d_model={d_model}")
-    wants = (d_ff * _row_nbytes(qts[0], d_model), d_ff * _row_nbytes(qts[1], d_model),
-             d_model * _row_nbytes(qts[2], d_ff))  # fmt: skip
-    for name, buf, want in zip(("gate", "up", "down"), (gate, up, down), wants, strict=True):
-        if (got := _nbytes(buf, f"expert_ffn_q8k: {name}")) != want:
-            raise KernelError(f"expert_ffn_q8k: {name} has {got} bytes, needs {want}")
-    _opt_f32(gate_bias, d_ff, "expert_ffn_q8k: gate_bias")
-    _opt_f32(up_bias, d_ff, "expert_ffn_q8k: up_bias")
-    _opt_f32(down_bias, d_model, "expert_ffn_q8k: down_bias")
-    _opt_f32(row_weight, n, "expert_ffn_q8k: row_weight")
+    a, n = _ffn_args(
+        "expert_ffn_q8k", out, x, (gate, up, down), qts, d_model, d_ff, act,
+        (gate_bias, up_bias, down_bias), row_weight,
+    )  # fmt: skip
     scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
     rc = lib.clb_expert_ffn_q8k(
         *qts, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
@@ -580,38 +614,12 @@ def _expert_ffn_mixed(
     nthreads: int,
 ) -> np.ndarray:
     """expert_ffn with a storage type per tensor (clb_expert_ffn_mixed); see expert_ffn."""
-    if len(qts) != 3:
-        raise KernelError(f"expert_ffn: qtypes must be (gate, up, down), got {len(qts)} types")
-    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
-    n, cols, rows = _rows_x(x, out, "expert_ffn")
-    if cols != d_model or rows != d_model:
-        raise KernelError(f"expert_ffn: x {x.shape} and out {out.shape} need d_model={d_model}")
+    a, n = _ffn_args(
+        "expert_ffn", out, x, (gate, up, down), qts, d_model, d_ff, act,
+        (gate_bias, up_bias, down_bias), row_weight,
+    )  # fmt: skip
     g_qt, u_qt, d_qt = qts
-    for name, buf, qt, want in (
-        ("gate", gate, g_qt, d_ff * _row_nbytes(g_qt, d_model)),
-        ("up", up, u_qt, d_ff * _row_nbytes(u_qt, d_model)),
-        ("down", down, d_qt, d_model * _row_nbytes(d_qt, d_ff)),
-    ):
-        if (got := _nbytes(buf, f"expert_ffn: {name}")) != want:
-            raise KernelError(f"expert_ffn: {name} has {got} bytes, {qt.name} needs {want}")
-    _opt_f32(gate_bias, d_ff, "expert_ffn: gate_bias")
-    _opt_f32(up_bias, d_ff, "expert_ffn: up_bias")
-    _opt_f32(down_bias, d_model, "expert_ffn: down_bias")
-    _opt_f32(row_weight, n, "expert_ffn: row_weight")
-    if scratch is None:
-        scratch = _scratch("ffn", 2 * n * d_ff, np.float32)
-    elif _f32(scratch, "expert_ffn: scratch", writable=True).size < 2 * n * d_ff:
-        raise KernelError(f"expert_ffn: scratch needs >= {2 * n * d_ff} float32 elements")
-    qs = ffi.NULL
-    if act_q8:
-        if bad := [q.name for q in qts if q not in Q8_ACT_TYPES]:
-            raise KernelError(f"expert_ffn: act_q8 needs Q8_ACT_TYPES weights, got {bad}")
-        qs = ffi.from_buffer(
-            _scratch(
-                "ffn_q8", n * (_row_nbytes(QType.Q8_0, d_model) + _row_nbytes(QType.Q8_0, d_ff)),
-                np.uint8,
-            )
-        )  # fmt: skip
+    scratch, qs = _ffn_scratch(scratch, act_q8, qts, n, d_model, d_ff)
     rc = lib.clb_expert_ffn_mixed(
         g_qt, u_qt, d_qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate),
         ffi.from_buffer(up), ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias),
