@@ -52,6 +52,26 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return base_spec(config, layers, moe, "deepseek_v3")
 
 
+# the tests' tiny routers: grouped (4 groups of 4, 2 kept, scaled) and plain (2 groups, 1 kept)
+TINY_GROUPED_ROUTER = dict(
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_parameters=TINY_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
+)
+TINY_PLAIN_ROUTER = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+)
+
 FAMILY = Family(
     model_type="deepseek_v3",
     model_spec=model_spec,
@@ -96,30 +116,9 @@ FAMILY = Family(
         implied={"rope_interleave": True, "attention_bias": False},
     ),
     test_configs={
-        "deepseek_v3": TINY_MLA
-        | dict(
-            q_lora_rank=48,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            rope_interleave=True,
-            rope_parameters=TINY_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
-        ),
+        "deepseek_v3": TINY_MLA | TINY_GROUPED_ROUTER | dict(q_lora_rank=48, rope_interleave=True),
         "deepseek_v3_one_group_no_q_lora": TINY_MLA
-        | dict(
-            q_lora_rank=None,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=0,
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            rope_interleave=False,
-        ),
+        | TINY_PLAIN_ROUTER
+        | dict(q_lora_rank=None, first_k_dense_replace=0, rope_interleave=False),
     },
 )

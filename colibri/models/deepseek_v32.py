@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from colibri.models.deepseek_v2 import TINY_MLA, TINY_YARN, mla_biases
-from colibri.models.deepseek_v3 import sigmoid_router
+from colibri.models import deepseek_v3
+from colibri.models.deepseek_v2 import TINY_MLA, mla_biases
+from colibri.models.deepseek_v3 import TINY_GROUPED_ROUTER, TINY_PLAIN_ROUTER, sigmoid_router
 from colibri.models.family import Family
 from colibri.models.spec import (
     AttentionSpec,
@@ -114,31 +115,9 @@ TINY_DSA = TINY_MLA | dict(q_lora_rank=48, index_n_heads=32, index_head_dim=16, 
 FAMILY = Family(
     model_type="deepseek_v32",
     model_spec=model_spec,
-    defaults={  # DeepseekV32Config
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "n_shared_experts": 1,
-        "n_routed_experts": 256,
-        "routed_scaling_factor": 2.5,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "qk_nope_head_dim": 128,
-        "n_group": 8,
-        "topk_group": 4,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "norm_topk_prob": True,
+    defaults={  # DeepseekV32Config: DeepseekV3Config's (no rope_interleave) and the indexer's
+        **{k: v for k, v in deepseek_v3.FAMILY.defaults.items() if k != "rope_interleave"},
         "max_position_embeddings": 163840,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "attention_bias": False,
-        "tie_word_embeddings": False,
         "index_topk": 2048,
         "index_head_dim": 128,
         "index_n_heads": 64,
@@ -147,29 +126,9 @@ FAMILY = Family(
     num_experts_key="n_routed_experts",
     d_ff_key="moe_intermediate_size",
     test_configs={
-        "deepseek_v32": TINY_DSA
-        | dict(
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            rope_parameters=TINY_YARN | dict(mscale=1.0, mscale_all_dim=1.0),
-            index_topk=24,
-        ),
+        "deepseek_v32": TINY_DSA | TINY_GROUPED_ROUTER | dict(index_topk=24),
         "deepseek_v32_mlp_types_bias": TINY_DSA
-        | dict(
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            mlp_layer_types=["sparse", "dense", "sparse"],
-            attention_bias=True,
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            index_topk=12,
-        ),
+        | TINY_PLAIN_ROUTER
+        | dict(mlp_layer_types=["sparse", "dense", "sparse"], attention_bias=True, index_topk=12),
     },
 )

@@ -12,8 +12,9 @@ import dataclasses
 from typing import Any
 
 from colibri.compute.moe import RouterSpec
+from colibri.models import qwen3_next
 from colibri.models.family import Family
-from colibri.models.qwen3_next import hybrid_layers
+from colibri.models.qwen3_next import TINY_HYBRID, hybrid_layers
 from colibri.models.spec import ModelSpec, MoESpec, base_spec, require
 
 
@@ -28,59 +29,29 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return dataclasses.replace(base_spec(config, layers, moe, "qwen3_5_moe"), norm_offset=1.0)
 
 
+# Qwen3NextConfig keys Qwen3_5MoeTextConfig lacks (every layer is MoE, always renormalised)
+_NEXT_ONLY = frozenset(
+    {"intermediate_size", "decoder_sparse_step", "norm_topk_prob", "mlp_only_layers"}
+)
+
 FAMILY = Family(
     model_type="qwen3_5_moe",
     model_spec=model_spec,
-    defaults={  # Qwen3_5MoeTextConfig
+    defaults={  # Qwen3_5MoeTextConfig: Qwen3NextConfig's but the dense-MLP keys
+        **{k: v for k, v in qwen3_next.FAMILY.defaults.items() if k not in _NEXT_ONLY},
         "vocab_size": 248320,
-        "hidden_size": 2048,
         "num_hidden_layers": 40,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-        },
-        "attention_bias": False,
-        "head_dim": 256,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
         "num_experts_per_tok": 8,
         "num_experts": 256,
-        "tie_word_embeddings": False,
     },
     num_experts_key="num_experts",
     d_ff_key="moe_intermediate_size",
     text_model_type="qwen3_5_moe_text",
     text_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
     test_configs={
-        "qwen3_5_moe": dict(
-            num_hidden_layers=4,
-            layer_types=[
-                "linear_attention",
-                "full_attention",
-                "linear_attention",
-                "full_attention",
-            ],
-            head_dim=32,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            num_experts=8,
+        "qwen3_5_moe": TINY_HYBRID
+        | dict(
             num_experts_per_tok=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=32,
-            linear_value_head_dim=24,
-            linear_conv_kernel_dim=4,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,

@@ -113,6 +113,21 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return dataclasses.replace(base_spec(config, layers, moe, "qwen3_next"), norm_offset=1.0)
 
 
+# the tests' tiny hybrid: linear, full, linear, full attention layers, 8 experts
+TINY_HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    head_dim=32,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+    num_experts=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,  # 16: keys so collinear that q8_0 noise is amplified
+    linear_value_head_dim=24,
+    linear_conv_kernel_dim=4,
+)
+
 FAMILY = Family(
     model_type="qwen3_next",
     model_spec=model_spec,
@@ -150,27 +165,9 @@ FAMILY = Family(
     num_experts_key="num_experts",
     d_ff_key="moe_intermediate_size",
     test_configs={
-        "qwen3_next": dict(
-            num_hidden_layers=4,
-            layer_types=[
-                "linear_attention",
-                "full_attention",
-                "linear_attention",
-                "full_attention",
-            ],
-            head_dim=32,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            num_experts=8,
-            num_experts_per_tok=3,
-            norm_topk_prob=True,
-            mlp_only_layers=[2],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=32,  # 16: keys so collinear that q8_0 noise is amplified
-            linear_value_head_dim=24,
-            linear_conv_kernel_dim=4,
+        "qwen3_next": TINY_HYBRID
+        | dict(
+            intermediate_size=128, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[2]
         ),
     },
 )
