@@ -10,14 +10,11 @@ layer's router, correction bias and groups included).
 from __future__ import annotations
 
 import importlib
-import itertools
 
 import numpy as np
 import pytest
 
 from colibri.compute import moe
-from colibri.convert import convert
-from colibri.io.format import open_store
 from colibri.model import KVCache
 from colibri.registry import model_spec
 from tests import hf_models
@@ -102,16 +99,9 @@ def test_route_matches_transformers_router(cls_name, cfg):
     ours_ids, ours_w = moe.route(
         spec, logits.numpy(), None if bias is None else bias.numpy().astype(np.float32)
     )
-    margins = hf_models.router_margins(router, logits)
-    compared = 0
-    for t in np.flatnonzero(margins.numpy() >= 1e-5):
-        ref = dict(zip(ids[t].tolist(), weights[t].tolist(), strict=True))
-        got = dict(zip(ours_ids[t].tolist(), ours_w[t].tolist(), strict=True))
-        assert set(got) == set(ref), (t, got, ref)
-        for e, wt in ref.items():
-            assert abs(got[e] - wt) <= 1e-6 * max(1.0, abs(wt)), (t, e, got[e], wt)
-        compared += 1
-    assert compared >= 400
+    hf_models.assert_routes_match(
+        ids, weights, ours_ids, ours_w, hf_models.router_margins(router, logits)
+    )
 
 
 def test_mla_kv_cache_holds_the_latent():
@@ -128,20 +118,7 @@ def test_mla_kv_cache_holds_the_latent():
 async def test_same_tokens_whatever_the_placement(case, tmp_path):
     """Reader backends x budgets (one layer's top-k, everything) x prefetch on/off give the
     same greedy tokens; the small budget really evicts and re-reads."""
-    model = hf_models.build(case, seed=7)
-    src = hf_models.save(model, tmp_path / "hf")
-    store = tmp_path / "store"
-    convert(src, store, quant="q4_0", dense_quant="q8_0")
-    s = open_store(store)
-    record, k = s.layout.record_nbytes, s.config["num_experts_per_tok"]
-    total = len(s.records) * record
-    ids = list(range(3, 19))
-    reference, _ = await _run(store, ids, 12, io="threads", budget=total, prefetch=False)
-    for io, budget, prefetch in itertools.product(
-        ("uring", "threads", "mmap"), (k * record, total), (False, True)
-    ):
-        tokens, _ = await _run(store, ids, 12, io=io, budget=budget, prefetch=prefetch, threads=1)
-        assert tokens == reference, (case, io, budget, prefetch)
+    await hf_models.assert_same_tokens_whatever_the_placement(case, tmp_path)
 
 
 @pytest.mark.parametrize(

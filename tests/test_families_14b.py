@@ -8,8 +8,6 @@ placement (reader backend, cache budget, prefetch).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -42,16 +40,8 @@ def test_minimax_m2_route_matches_transformers_router(experts, k):
         logits, weights, ids = router(x, bias)
     spec = model_spec(config.to_dict()).moe.router
     ours_ids, ours_w = moe.route(spec, logits.numpy(), bias.numpy())
-    margins = hf_models.router_margins(router, logits, bias).numpy()
-    compared = 0
-    for t in np.flatnonzero(margins >= 1e-5):
-        ref = dict(zip(ids[t].tolist(), weights[t].tolist(), strict=True))
-        got = dict(zip(ours_ids[t].tolist(), ours_w[t].tolist(), strict=True))
-        assert set(got) == set(ref), (t, got, ref)
-        for e, wt in ref.items():
-            assert abs(got[e] - wt) <= 1e-6, (t, e, got[e], wt)
-        compared += 1
-    assert compared >= 400
+    margins = hf_models.router_margins(router, logits, bias)
+    hf_models.assert_routes_match(ids, weights, ours_ids, ours_w, margins)
 
 
 def test_minimax_m2_hub_config():
@@ -98,20 +88,7 @@ PLACEMENT_CASES = ["minimax_m2"]
 async def test_same_tokens_whatever_the_placement(case, tmp_path):
     """Reader backends x budgets (one layer's top-k, everything) x prefetch on/off give the
     same greedy tokens (prefetch predicts with the next layer's router and correction bias)."""
-    model = hf_models.build(case, seed=7)
-    src = hf_models.save(model, tmp_path / "hf")
-    store = tmp_path / "store"
-    convert(src, store, quant="q4_0", dense_quant="q8_0")
-    s = open_store(store)
-    record, k = s.layout.record_nbytes, s.config["num_experts_per_tok"]
-    total = len(s.records) * record
-    ids = list(range(3, 19))
-    reference, _ = await _run(store, ids, 12, io="threads", budget=total, prefetch=False)
-    for io, budget, prefetch in itertools.product(
-        ("uring", "threads", "mmap"), (k * record, total), (False, True)
-    ):
-        tokens, _ = await _run(store, ids, 12, io=io, budget=budget, prefetch=prefetch, threads=1)
-        assert tokens == reference, (case, io, budget, prefetch)
+    await hf_models.assert_same_tokens_whatever_the_placement(case, tmp_path)
 
 
 PLACEMENT_CASES.append("llama4_text_interleaved_top2")
