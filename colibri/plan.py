@@ -184,7 +184,12 @@ def make_plan(
     copies, per_device = [], {}
     for f in files:
         device = mount_of(f).device
-        g, src = None, "none"
+        g, src = None, "not measured"
+        if read_per_token == 0:  # every record fits the budget: no read once the cache is warm
+            src = (
+                f"not needed: all {len(store.records)} expert records fit the "
+                f"{_gib(cache_nbytes)} cache (held in RAM), nothing is read once it is warm"
+            )
         if profile is not None and (g := profile.drive_gbps(f, qd)) is not None:
             src = f"profile {profile.path}"
         elif measure and read_per_token > 0:
@@ -200,7 +205,7 @@ def make_plan(
         if len(copies) == 1
         else (f"{len(copies)} copies on {len(per_device)} drive(s), summed per drive")
     )
-    mem_bw, mem_source = None, "none"
+    mem_bw, mem_source = None, "not measured"
     if profile is not None:
         mem_bw, mem_source = profile.memory_read_gbps, f"profile {profile.path}"
     elif measure:
@@ -264,8 +269,12 @@ def format_plan(p: dict[str, Any]) -> str:
     """The plan as the lines `colibri plan` prints."""
     m, h, t, b, s = p["memory"], p["hit_rate"], p["per_token"], p["bandwidth"], p["decode_tok_s"]
 
-    def ts(x: float | None) -> str:
-        return "unbounded" if x is None else f"{x:.1f} tok/s"
+    def ts(x: float | None, what: str = "") -> str:
+        if x is not None:
+            return f"{x:.1f} tok/s"
+        if what == "storage" and not t["read_nbytes"]:
+            return "none (the experts are all in RAM)"
+        return "? (no figure)"
 
     def row(label: str, n: int, note: str = "") -> str:
         return f"  {label:<30} {_gib(n):>11}" + (f"  {note}" if note else "")
@@ -292,11 +301,17 @@ def format_plan(p: dict[str, Any]) -> str:
         f"per token: {_gib(t['expert_nbytes'])} of experts, {_gib(t['read_nbytes'])} read from "
         f"disk, {_gib(t['touched_nbytes'])} of weights touched",
         "bandwidth: disk "
-        + (f"{b['disk_gbps']:.2f} GB/s at QD {b['disk_queue_depth']}" if b["disk_gbps"] else "?")
-        + f" ({b['disk_source']}); memory read "
+        + (
+            f"{b['disk_gbps']:.2f} GB/s at QD {b['disk_queue_depth']} ({b['disk_source']})"
+            if b["disk_gbps"]
+            else b["disk_source"]
+            if not t["read_nbytes"]
+            else f"? ({b['disk_source']})"
+        )
+        + "; memory read "
         + (f"{b['memory_read_gbps']:.1f} GB/s" if b["memory_read_gbps"] else "?")
         + f" ({b['memory_source']})",
-        f"decode: storage bound {ts(s['storage'])}, compute bound {ts(s['compute'])} -> "
+        f"decode: storage bound {ts(s['storage'], 'storage')}, compute bound {ts(s['compute'])} -> "
         f"at most {ts(s['combined'])} (reads overlapped; {ts(s['serial'])} if not)",
     ]
     lines += [f"warning: {w}" for w in p["warnings"]]

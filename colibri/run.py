@@ -83,9 +83,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ctx",
         dest="n_ctx",
-        type=int,
-        default=DEFAULT_N_CTX,
-        help=f"context length in tokens (default {DEFAULT_N_CTX})",
+        type=ctx_tokens,
+        default=None,
+        help=f"context length in tokens (default {DEFAULT_N_CTX}, or the model's maximum if less)",
     )
     g.add_argument(
         "--trace",
@@ -241,8 +241,32 @@ SAMPLING_OPTIONS = (
 )
 
 
+def ctx_tokens(text: str) -> int:
+    """argparse type of --ctx: a whole number of tokens >= 1 (argparse names --ctx)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: the context must hold at least 1 token")
+    return n
+
+
+def check_ctx(engine: Engine, args: argparse.Namespace) -> None:
+    """ColibriError when --ctx asked for more than the model's context length
+    (max_position_embeddings), which the engine would silently use instead."""
+    limit = engine.spec.max_position_embeddings
+    if getattr(args, "n_ctx", None) is not None and args.n_ctx > limit:
+        raise ColibriError(
+            f"--ctx {args.n_ctx} exceeds the model's context length {limit} "
+            "(max_position_embeddings)"
+        )
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts = {k: getattr(args, k) for k in ENGINE_OPTIONS}
+    if opts["n_ctx"] is None:
+        opts["n_ctx"] = DEFAULT_N_CTX  # the engine clamps it to the model's maximum
     if getattr(args, "queue_depth", None) is not None:
         opts["queue_depth"] = args.queue_depth
     if getattr(args, "mirror", None):
@@ -400,6 +424,7 @@ async def _run(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": prompt}]
     opts, profile = engine_options(args, path)
     async with open_engine(path, **opts) as engine:
+        check_ctx(engine, args)
         _say_backend(engine, args.io)
         echo = prompt if isinstance(prompt, str) else ""
         await _print_stream(engine, prompt, _sampling(args), echo, profile)
@@ -422,6 +447,7 @@ async def _chat(args: argparse.Namespace) -> int:
     opts, profile = engine_options(args, _model_path(args))
     opts = {**opts, "prefix_cache": CHAT_PREFIX_CACHE}
     async with open_engine(_model_path(args), **opts) as engine:
+        check_ctx(engine, args)
         _say_backend(engine, args.io)
         session = None
         if args.session and Path(args.session).exists():

@@ -73,6 +73,19 @@ def test_chat_renders_template(tiny):
         ("context", ["run", "{store}", "-p", "word " * 64, "--ctx", "16"], r"prompt too long"),
         ("sampling", ["run", "{store}", "-p", "x", "--temperature", "-1"], r"temperature"),
         ("budget", ["run", "{store}", "-p", "x", "--budget", "lots"], r"invalid size"),
+        ("ctx 0", ["run", "{store}", "-p", "x", "--ctx", "0"], r"argument --ctx: 0: .*1 token"),
+        ("ctx text", ["serve", "{store}", "--ctx", "4k"], r"argument --ctx: '4k' is not a whole"),
+        # the tiny models' max_position_embeddings is 256: more is refused, naming both
+        (
+            "ctx above max",
+            ["run", "{store}", "-p", "x", "--ctx", "257"],
+            r"--ctx 257 exceeds the model's context length 256 \(max_position_embeddings\)",
+        ),
+        (
+            "chat ctx above max",
+            ["chat", "{store}", "--ctx", "100000"],
+            r"--ctx 100000 exceeds the model's context length 256",
+        ),
     ],
 )
 def test_bad_input_one_clear_line(tiny, tmp_path, case, args, message):
@@ -82,6 +95,16 @@ def test_bad_input_one_clear_line(tiny, tmp_path, case, args, message):
     assert res.returncode != 0, case
     assert "Traceback" not in res.stderr, res.stderr
     assert re.search(message, res.stderr), res.stderr
+
+
+def test_ctx_at_the_models_maximum_runs(tiny):
+    """--ctx equal to max_position_embeddings (256) is accepted; the default (4096, above it)
+    is quietly the model's maximum."""
+    _, _, store = tiny
+    for extra in (["--ctx", "256"], []):
+        res = colibri("run", str(store), "-p", "x", "-n", "2", "--io", "threads", *extra)
+        assert res.returncode == 0, res.stderr
+        assert "2 generated tokens" in res.stderr
 
 
 def test_corrupt_record_is_reported(tiny, tmp_path):

@@ -491,6 +491,8 @@ def test_cli_json_schema(tmp_path, capsys):
         assert len(it["logprobs"]) == len(it["nchars"]) == 4
         assert it["pred"] == int(np.argmax(it["logprobs"]))
     assert "acc 0." in capsys.readouterr().out
+    assert main(["eval", "--task", "hellaswag", "--data", str(data), "--limit", "1"]) == 0
+    assert " over 1 item\n" in capsys.readouterr().out
     assert main(["eval", "--task", "hellaswag", "--data", str(data), "--limit", "2",
                  "--reference", str(DEMO), "--json", str(out)]) == 0  # fmt: skip
     r = json.loads(out.read_text())
@@ -513,6 +515,10 @@ def test_cli_json_schema(tmp_path, capsys):
                  "--limit", "2", "--json", str(out)]) == 0  # fmt: skip
     m = json.loads(out.read_text())["metrics"]
     assert set(m) == {"ppl", "ppl_stderr", "tokens_scored"} and m["tokens_scored"] == 2 * 31
+    assert f"over {2 * 31} tokens (2 windows)" in capsys.readouterr().out
+    assert main(["eval", "--task", "perplexity", "--data", str(text), "--ctx", "64",
+                 "--limit", "1"]) == 0  # fmt: skip
+    assert "over 31 tokens (1 window)\n" in capsys.readouterr().out
 
 
 def test_input_formats_read_the_same(tmp_path):

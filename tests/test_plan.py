@@ -142,6 +142,19 @@ def test_bounds_from_the_profile(tmp_path, monkeypatch):
     assert json.loads(res.stdout)["bandwidth"]["memory_read_gbps"] is None
 
 
+def test_demo_in_ram_says_no_disk_is_needed():
+    """The demo's experts all fit the default budget: the plan says the disk is not needed and
+    there is no storage bound, instead of an unknown disk and an "unbounded" figure."""
+    p = plan_mod.make_plan(open_store(DEMO_STORE), measure=False)
+    assert p["per_token"]["read_nbytes"] == 0 and p["bandwidth"]["disk_gbps"] is None
+    text = plan_mod.format_plan(p)
+    records = len(open_store(DEMO_STORE).records)
+    assert f"disk not needed: all {records} expert records fit the" in text, text
+    assert "storage bound none (the experts are all in RAM)" in text, text
+    assert "unbounded" not in text and "disk ?" not in text and "(none)" not in text, text
+    assert "compute bound ? (no figure)" in text, text  # measure=False: no memory figure
+
+
 def test_warns_when_the_budget_would_swap(monkeypatch):
     monkeypatch.setattr(plan_mod, "available_memory", lambda: 4 << 20)
     p = plan_mod.make_plan(open_store(DEMO_STORE), budget=6 << 20, measure=False)

@@ -119,15 +119,6 @@ def _tokenizer(engine: Engine) -> Any:
     return engine.tokenizer
 
 
-def _check_ctx(engine: Engine, args: argparse.Namespace) -> None:
-    limit = engine.spec.max_position_embeddings
-    if args.n_ctx is not None and args.n_ctx > limit:
-        raise EvalError(
-            f"--ctx {args.n_ctx} exceeds the model's context length {limit} "
-            "(max_position_embeddings)"
-        )
-
-
 async def eval_perplexity(
     engine: Engine,
     text: str,
@@ -278,6 +269,10 @@ def _fewshot_path(args: argparse.Namespace) -> Path:
     return guess
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + "s" * (n != 1)
+
+
 def summary(task: str, result: dict[str, Any]) -> str:
     """The human-readable lines printed after a run."""
     m, s = result["metrics"], result["statistics"]
@@ -285,7 +280,7 @@ def summary(task: str, result: dict[str, Any]) -> str:
     if "ppl" in m:
         lines.append(
             f"{task}: PPL = {m['ppl']:.4f} +/- {m['ppl_stderr']:.5f} over {m['tokens_scored']} "
-            f"tokens ({result['n']} windows)"
+            f"tokens ({_count(result['n'], 'window')})"
         )
     if "kl_mean" in m:
         lines.append(
@@ -302,7 +297,7 @@ def summary(task: str, result: dict[str, Any]) -> str:
         line = f"{task}: acc {m['acc']:.4f} +/- {m['acc_stderr']:.4f}"
         if "acc_norm" in m:
             line += f", acc_norm {m['acc_norm']:.4f} +/- {m['acc_norm_stderr']:.4f}"
-        lines.append(line + f" over {result['n']} items")
+        lines.append(line + f" over {_count(result['n'], 'item')}")
     if "acc_delta" in m:
         line = (
             f"reference: acc {m['reference_acc']:.4f} (delta {m['acc_delta']:+.4f} +/- "
@@ -346,7 +341,7 @@ async def _eval(args: argparse.Namespace) -> int:
     opts = _engine_options(args)
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(open_engine(path, **opts))
-        _check_ctx(engine, args)
+        run_cmd.check_ctx(engine, args)
         reference = None
         if args.reference:
             ref_opts = opts | {"trace": None}

@@ -19,7 +19,14 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from colibri.run import DEMO_STORE, _say_backend, add_engine_options, engine_options, size_arg
+from colibri.run import (
+    DEMO_STORE,
+    _say_backend,
+    add_engine_options,
+    check_ctx,
+    engine_options,
+    size_arg,
+)
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -157,6 +164,7 @@ async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | No
         "prefix_cache": args.prefix_cache,
     }
     async with open_engine(path, **options) as engine:
+        check_ctx(engine, args)
         _say_backend(engine, args.io)
         service = Service(
             engine,
