@@ -49,3 +49,47 @@ def test_colibri_budget_whole_records_under_the_limit():
     assert sec_llama.colibri_budget(1000, 300, 120, overhead=150) == 480
     assert sec_llama.colibri_budget(1000, 800, 100, overhead=150) == 0
     assert sec_llama.colibri_budget(1000, 950, 100, overhead=150) == 0
+
+
+def test_outcome_says_did_not_finish_for_a_timed_out_peer():
+    assert sec_llama.outcome(1, 1, 0, 0, 900) == "ok"
+    assert sec_llama.outcome(1, 0, 0, 1, 900) == "did not finish in 900 s"
+    assert sec_llama.outcome(3, 1, 0, 2, 300.0) == "did not finish in 300 s (2×)"
+    assert sec_llama.outcome(2, 0, 2, 0, 900) == "killed by the OOM killer (2×)"
+    assert sec_llama.outcome(2, 1, 0, 0, 900) == "failed 1/2"
+
+
+def test_run_capped_ends_the_whole_process_group(tmp_path):
+    """A peer past its wall-clock limit is ended with every process it started (here a shell
+    whose child ignores SIGTERM, as a thrashing process may not get to handle it); what it
+    wrote before is kept; a run within the limit is untouched."""
+    import time
+    from pathlib import Path
+
+    from colibri.bench import llama_cpp
+
+    pidfile = tmp_path / "child.pid"
+    script = (
+        f"(trap '' TERM; echo $BASHPID > {pidfile}; exec sleep 60) & echo started; sleep 60; wait"
+    )
+    t0 = time.monotonic()
+    res, timed_out = llama_cpp.run_capped(["bash", "-c", script], 1.0)
+    assert timed_out and res.returncode != 0
+    assert time.monotonic() - t0 < 20
+    assert res.stdout == "started\n"
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    deadline = time.monotonic() + 10
+    # the grandchild that ignored SIGTERM ends too (SIGKILL): gone, or a zombie left to init
+    while _state(stat) not in ("", "Z", "X"):
+        assert time.monotonic() < deadline, f"{stat}: state {_state(stat)}"
+        time.sleep(0.05)
+    res, timed_out = llama_cpp.run_capped(["bash", "-c", "echo done; exit 3"], 30)
+    assert not timed_out and (res.returncode, res.stdout) == (3, "done\n")
+
+
+def _state(stat) -> str:
+    """The state letter in /proc/PID/stat ("" once the process is gone)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""

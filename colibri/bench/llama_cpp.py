@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -65,6 +66,36 @@ def drop_file_cache(path: str | os.PathLike[str]) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def run_capped(
+    cmd: list[str], time_limit: float | None, preexec_fn: Any = None, **kwargs: Any
+) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run `cmd` (text output captured, stdin /dev/null) in a session of its own; past
+    `time_limit` seconds of wall clock (None: no limit) its whole process group is ended,
+    SIGTERM then SIGKILL after 5 s (a thrashing peer under a memory limit may not even get to
+    handle the first), so no grandchild (e.g. llama.cpp under /usr/bin/time) outlives it.
+    Returns (the CompletedProcess with what it wrote, timed_out)."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        text=True, start_new_session=True, preexec_fn=preexec_fn, **kwargs,
+    )  # fmt: skip
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                out, err = proc.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # the leader gone, a straggler left
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), timed_out
 
 
 # ---- llama-bench ------------------------------------------------------------------------
@@ -193,7 +224,7 @@ def run_completion(
     memory_limit: int | None = None,
     drop_cache: bool = True,
     extra: list[str] | None = None,
-    timeout: float = 3600,
+    time_limit: float | None = 3600,
 ) -> dict[str, Any]:
     """Generate `n` tokens greedily after `prompt` with `llama-completion -no-cnv` (llama.cpp's
     default mmap loading), under `/usr/bin/time -v`, optionally inside a memory cgroup of
@@ -203,7 +234,8 @@ def run_completion(
     "prompt_tok_s" (llama.cpp's own eval timings), "n_prompt", "n_gen", "peak_rss_bytes"
     (max RSS, file-backed mapped pages included), "cgroup_peak_bytes" (with a limit: peak of
     the cgroup, page cache included), "oom_kills" (with a limit: processes the OOM killer
-    ended), "cmd", "returncode"}; a run killed by the limit has a non-zero returncode and None
+    ended), "timed_out" (ended after `time_limit` s of wall clock, see run_capped), "cmd",
+    "returncode"}; a run killed by the limit or the clock has a non-zero returncode and None
     timings. Raises FileNotFoundError (no build),
     PermissionError (memory_limit given but cgroups are not writable)."""
     if drop_cache:
@@ -214,14 +246,11 @@ def run_completion(
     ctx = memory_cgroup(memory_limit) if memory_limit else contextlib.nullcontext(None)
     with ctx as cg:
         t0 = time.perf_counter()
-        res = subprocess.run(
-            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
-            preexec_fn=_join(cg["procs"]) if cg else None, check=False,
-        )  # fmt: skip
+        res, timed_out = run_capped(cmd, time_limit, _join(cg["procs"]) if cg else None)
         wall = time.perf_counter() - t0
     perf = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in _PERF.findall(res.stderr)}
     rss = _RSS.search(res.stderr)
-    ok = res.returncode == 0 and "eval" in perf
+    ok = res.returncode == 0 and "eval" in perf and not timed_out
     return {
         "wall_s": wall,
         "wall_tok_s": n / wall if ok else None,
@@ -233,6 +262,8 @@ def run_completion(
         "cgroup_peak_bytes": cg.get("peak_bytes") if cg else None,
         "oom_kills": cg.get("oom_kills") if cg else None,
         "memory_limit": memory_limit,
+        "timed_out": timed_out,
+        "time_limit_s": time_limit,
         "returncode": res.returncode,
         "cmd": cmd,
         "stderr_tail": res.stderr[-1500:] if not ok else "",

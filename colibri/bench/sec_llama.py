@@ -27,7 +27,6 @@ import json
 import os
 import resource
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,9 @@ PROMPT = "The history of the hummingbird begins in the forests of South America,
 # colibri process holds besides its dense weights and expert slabs (peak RSS minus those two
 # measured ~0.1 GB here; the rest is headroom for the page cache the cgroup is charged for)
 COLIBRI_OVERHEAD = 192 << 20
+# wall-clock limit of one peer's run under the memory limit (quick runs: a third of it):
+# llama.cpp's default repack under a cgroup limit thrashed for 13 min, reading 432 GB
+PEER_TIME_LIMIT_S = 900
 
 
 # ---- pure figures (unit-tested) -----------------------------------------------------------
@@ -72,6 +74,19 @@ def active_bytes_per_token(
     Raises KeyError when `embedding` is not among dense_nbytes."""
     emb = dense_nbytes[embedding]
     return sum(dense_nbytes.values()) - emb + emb // vocab_size + num_layers * top_k * expert_nbytes
+
+
+def outcome(runs: int, ok: int, oom_kills: int, timeouts: int, time_limit_s: float) -> str:
+    """The table's outcome of a peer's `runs` runs under the memory limit: "ok", "did not
+    finish in N s" (ended by the wall-clock limit), the OOM killer, or other failures."""
+    if ok == runs:
+        return "ok"
+    if timeouts:
+        n = f" ({timeouts}×)" if runs > 1 else ""
+        return f"did not finish in {time_limit_s:.0f} s{n}"
+    if oom_kills:
+        return f"killed by the OOM killer ({oom_kills}×)"
+    return f"failed {runs - ok}/{runs}"
 
 
 def colibri_budget(
@@ -169,10 +184,13 @@ def child_main(argv: list[str]) -> int:
     return 0
 
 
-def run_colibri(ctx: Context, args: list[str], limit: int | None = None) -> dict[str, Any]:
-    """Run the colibri child (optionally inside a fresh memory cgroup of `limit` bytes).
-    Returns its JSON, plus "returncode", "cgroup_peak_bytes", "oom_kills", "wall_s"; a failed
-    run has "error" (stderr tail) instead of timings."""
+def run_colibri(
+    ctx: Context, args: list[str], limit: int | None = None, time_limit: float | None = None
+) -> dict[str, Any]:
+    """Run the colibri child (optionally inside a fresh memory cgroup of `limit` bytes, and
+    ended after `time_limit` s of wall clock: llama_cpp.run_capped). Returns its JSON, plus
+    "returncode", "cgroup_peak_bytes", "oom_kills", "wall_s", "timed_out"; a failed run has
+    "error" (stderr tail) instead of timings."""
     cmd = [sys.executable, "-m", "colibri.bench.sec_llama", "--child", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if limit:
@@ -183,12 +201,15 @@ def run_colibri(ctx: Context, args: list[str], limit: int | None = None) -> dict
         cm = _null()
     with cm as cg:
         t0 = time.perf_counter()
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
-                             stdin=subprocess.DEVNULL, check=False,
-                             preexec_fn=llama_cpp._join(cg["procs"]) if cg else None)  # fmt: skip
+        res, timed_out = llama_cpp.run_capped(
+            cmd, time_limit, llama_cpp._join(cg["procs"]) if cg else None, cwd=ROOT, env=env
+        )
         wall = time.perf_counter() - t0
-    out: dict[str, Any] = {"returncode": res.returncode, "wall_s": wall}
-    if res.returncode == 0:
+    out: dict[str, Any] = {"returncode": res.returncode, "wall_s": wall, "timed_out": timed_out}
+    if timed_out:
+        out["error"] = f"did not finish in {time_limit:.0f} s"
+        out["returncode"] = res.returncode or -9
+    elif res.returncode == 0:
         out |= json.loads(res.stdout.strip().splitlines()[-1])
     else:
         out["error"] = res.stderr[-1500:]
@@ -418,6 +439,7 @@ def run(ctx: Context) -> Section:
         limit = sf["store_nbytes"] // 2 // (1 << 20) << 20
         budget = colibri_budget(limit, sf["dense_nbytes"], sf["record_nbytes"])
         ctx_len = 128
+        time_limit = PEER_TIME_LIMIT_S / 3 if quick else PEER_TIME_LIMIT_S
         big |= {"store": str(store), "gguf": str(gguf) if gguf else None, **sf,
                 "limit_bytes": limit, "colibri_budget": budget, "n_gen": big_gen}  # fmt: skip
         files = [store / "experts.bin", store / "dense.safetensors"]
@@ -425,7 +447,8 @@ def run(ctx: Context) -> Section:
 
         def llama_run(name: str, extra: list[str]) -> float:
             r = llama_cpp.run_completion(gguf, PROMPT, big_gen, ctx.threads, memory_limit=limit,
-                                         extra=["-c", str(ctx_len), *extra])  # fmt: skip
+                                         extra=["-c", str(ctx_len), *extra],
+                                         time_limit=time_limit)  # fmt: skip
             ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + shlex.join(r.pop("cmd")))
             raw.setdefault(name, []).append(r)
             return r["decode_tok_s"] or 0.0
@@ -447,7 +470,7 @@ def run(ctx: Context) -> Section:
                 PROMPT,
             ]
             args += ["--activations", best_variant]
-            r = run_colibri(ctx, args, limit)
+            r = run_colibri(ctx, args, limit, time_limit)
             raw.setdefault(cname, []).append(r)
             return r.get("tg_tok_s") or 0.0
 
@@ -483,6 +506,7 @@ def run(ctx: Context) -> Section:
                 max((r.get("peak_rss_bytes") or 0 for r in rs), default=None),
                 "cgroup_peak": max((r.get("cgroup_peak_bytes") or 0 for r in rs), default=None),
                 "oom_kills": sum(r.get("oom_kills") or 0 for r in rs),
+                "timeouts": sum(bool(r.get("timed_out")) for r in rs),
                 "runs": len(rs), "ok": len(ok),
             }  # fmt: skip
         big["summary"] = summary
@@ -497,8 +521,9 @@ def run(ctx: Context) -> Section:
         c = summary.get(cname, {}).get("tg")
         panels.append({"title": "Decode, model 2× the memory limit",
                        "bars": {n: m["tg"] for n, m in summary.items()},
-                       "missing": {n: "OOM-killed" if m["oom_kills"] else "failed"
-                                   for n, m in summary.items() if not m["tg"]},
+                       "missing": {n: f"did not finish\nin {time_limit:.0f} s"
+                                   if m["timeouts"] else "OOM-killed" if m["oom_kills"]
+                                   else "failed" for n, m in summary.items() if not m["tg"]},
                        "limit": bound, "limit_name": "storage bound"})  # fmt: skip
         heads.append(Headline(
             "Decode, model 2× the memory limit", "tok/s", c, peers.get(peer_name), bound,
@@ -507,9 +532,7 @@ def run(ctx: Context) -> Section:
             f"peer: {peer_name or 'did not run'}"))  # fmt: skip
         rows = []
         for name, sm in summary.items():
-            status = "ok" if sm["ok"] == sm["runs"] else (
-                f"killed by the OOM killer ({sm['oom_kills']}×)" if sm["oom_kills"]
-                else f"failed {sm['runs'] - sm['ok']}/{sm['runs']}")  # fmt: skip
+            status = outcome(sm["runs"], sm["ok"], sm["oom_kills"], sm["timeouts"], time_limit)
             rows.append([name, sm["tg"],
                          "—" if not (c and sm["tg"]) else f"{c / sm['tg']:.2f}×",
                          _gb(sm["peak_rss"]), _gb(sm["cgroup_peak"]), status])  # fmt: skip
@@ -527,7 +550,9 @@ def run(ctx: Context) -> Section:
             f"{budget / 1e9:.2f} GB ({budget // sf['record_nbytes']} of {sf['num_records']} "
             f"records of {sf['record_nbytes'] / 1e6:.0f} MB) beside "
             f"{sf['dense_nbytes'] / 1e9:.2f} GB of dense weights, O_DIRECT reads (no page "
-            f"cache). Decode tok/s are each engine's decode phase only.",
+            f"cache). Decode tok/s are each engine's decode phase only. A run is ended (its "
+            f"whole process group) after {time_limit:.0f} s of wall clock: a peer thrashing "
+            f'under the limit "did not finish".',
             "",
             table(
                 [
