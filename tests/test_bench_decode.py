@@ -52,3 +52,21 @@ def test_phase_per_token_split() -> None:
     assert pt["total"] == pytest.approx(0.5) and pt["compute"] == pytest.approx(0.3)
     assert pt["wait_io"] == pytest.approx(0.15) and pt["other"] == pytest.approx(0.05)
     assert pt["bytes"] == pytest.approx(100)
+
+
+async def test_timed_greedy_decodes_as_the_engine_generates() -> None:
+    """The bench sections' shared decode loop gives the engine's own greedy tokens (generate
+    at temperature 0 on the demo store), and times the steps."""
+    from colibri.bench.decode import timed_greedy
+    from colibri.engine import open_engine
+    from colibri.run import DEMO_STORE
+
+    async with open_engine(DEMO_STORE, io="threads") as eng:
+        ids = eng.encode_prompt("The for statement")
+        stream = eng.stream(ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+        want = [t.token_id async for t in stream if t.token_id is not None]
+        seq = eng.new_sequence()
+        logits = await eng.forward(seq, ids)
+        got, seconds, last = await timed_greedy(eng, seq, logits, 12)
+    assert got == want and len(got) == 12
+    assert seconds > 0 and last.shape == (eng.spec.vocab_size,)

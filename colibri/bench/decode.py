@@ -185,6 +185,20 @@ def _phase(eng: Any, s0: Any, tokens: int, seconds: float) -> Phase:
     )
 
 
+async def timed_greedy(
+    eng: Any, seq: Any, logits: np.ndarray, n_tokens: int
+) -> tuple[list[int], float, np.ndarray]:
+    """n_tokens greedy decode steps of `seq` (one token a forward pass) from `logits`, the last
+    forward's f32 [vocab]. Returns (the tokens, wall seconds of the steps, the last logits):
+    the decode timing of every bench section (decode, cluster, llama)."""
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        out.append(int(np.argmax(logits)))
+        logits = await eng.forward(seq, [out[-1]])
+    return out, time.perf_counter() - t0, logits
+
+
 async def run_passes(
     path: Path, budget: int, n_prompt: int, n_tokens: int, passes: int = 2, **opts: Any
 ) -> list[DecodeFigures]:
@@ -204,10 +218,8 @@ async def run_passes(
             logits = await eng.forward(seq, prompt)
             prefill = _phase(eng, s0, n_prompt, time.perf_counter() - t0)
             s1 = _snapshot(eng)
-            t1 = time.perf_counter()
-            for _ in range(n_tokens):
-                logits = await eng.forward(seq, [int(np.argmax(logits))])
-            dec = _phase(eng, s1, n_tokens, time.perf_counter() - t1)
+            _, seconds, logits = await timed_greedy(eng, seq, logits, n_tokens)
+            dec = _phase(eng, s1, n_tokens, seconds)
             seq.kv = None  # free the KV cache now
             pf = asdict(eng.prefetcher.statistics()) if eng.prefetcher else None
             backend = eng.reader.statistics().backend

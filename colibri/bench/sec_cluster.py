@@ -54,13 +54,9 @@ async def _decode(engine: Any, n: int) -> tuple[list[int], float]:
     Appends the decode steps' _wire delta to DECODE for a cluster engine."""
     seq = engine.new_sequence()
     logits = await engine.forward(seq, PROMPT)
-    out = []
     before = _wire(engine)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = await engine.forward(seq, [out[-1]])
-    dt = (time.perf_counter() - t0) / n
+    out, seconds, _ = await bench_decode.timed_greedy(engine, seq, logits, n)
+    dt = seconds / n
     if engine.cluster is not None:
         DECODE.append(tuple(a - b for a, b in zip(_wire(engine), before, strict=True)))  # type: ignore[arg-type]
     return out, dt

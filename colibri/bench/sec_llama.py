@@ -104,6 +104,7 @@ def colibri_budget(
 async def _child(a: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
+    from colibri.bench.decode import timed_greedy
     from colibri.engine import open_engine
 
     opts: dict[str, Any] = dict(budget=a.budget, threads=a.threads, n_ctx=a.n_ctx)
@@ -140,10 +141,7 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
             out["prompt_s"] = time.perf_counter() - t1
             c0, io0, comp0 = eng.cache.statistics(), eng.pipeline.times.wait_io, \
                 eng.pipeline.times.compute  # fmt: skip
-            t1 = time.perf_counter()
-            for _ in range(a.n_gen):
-                logits = await eng.forward(seq, [int(np.argmax(logits))])
-            dt = time.perf_counter() - t1
+            _, dt, logits = await timed_greedy(eng, seq, logits, a.n_gen)
             c1 = eng.cache.statistics()
             gets = (c1.hits - c0.hits) + (c1.misses - c0.misses)
             out |= {
