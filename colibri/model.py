@@ -290,6 +290,26 @@ class KVCache:
         return sum(a.nbytes for a in arrays.values())
 
 
+def ring_window(
+    ring: np.ndarray, new: np.ndarray, pos0: int, window: int
+) -> tuple[np.ndarray, int]:
+    """The rows a chunk of queries at positions pos0 .. pos0 + n - 1 sees through a sliding
+    window, from a ring of the last positions' rows (position p in row p % len(ring), len(ring)
+    >= window - 1 or every position so far), and the chunk's last rows written into the ring.
+
+    ring: [rows, ...] (f32 or f16; updated in place); new: [n, ...] the chunk's rows (any float
+    dtype; stored, and returned, in the ring's dtype). Returns (rows, base): rows [pos0 + n -
+    base, ...] of positions base .. pos0 + n - 1 (the ring's rows, then the chunk's), base =
+    max(0, pos0 - window + 1). Used by DeepSeek-V4's window and Gemma 4's sliding layers.
+    """
+    base, n = max(0, pos0 - window + 1), new.shape[0]
+    new = new.astype(ring.dtype)
+    rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], new])
+    keep = min(n, len(ring))
+    ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = new[n - keep :]
+    return rows, base
+
+
 def _v4_entries(v4: Any, n_ctx: int) -> int:
     """Rows of a DeepSeek-V4 layer's compressed-entry arrays for n_ctx positions."""
     return n_ctx // v4.compressor.compress_rate + 1
@@ -1234,13 +1254,8 @@ class Model:
         ops.rmsnorm(k, k, w["kv_norm"], eps)
         k = k.reshape(n, 1, hd)
         dsv4.rope_tail(k, pos, a)
-        # the window's rows: positions base .. pos0 + n - 1 (ring rows, then this chunk's, as
-        # the cache's dtype holds them), and the chunk's last rows into the ring
-        ring, base = kv.k[i], max(0, pos0 - a.window + 1)
-        k = k.astype(ring.dtype)
-        rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], k]).astype(np.float32)
-        keep = min(n, len(ring))
-        ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = k[n - keep :]
+        rows, base = ring_window(kv.k[i], k, pos0, a.window)
+        rows = rows.astype(np.float32)
         entries, chosen = None, None
         for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
             if c is None:
