@@ -152,6 +152,13 @@ class KVCache:
     in index_k[layer] [n_ctx // rate + 1, index_head_dim] and its window rows in
     index_buf[layer]. Ring and window rows summarise the recent positions: like Gated DeltaNet
     state, only snapshot() / restore() take such a sequence back (they copy them).
+    Layers with AttentionSpec.kv_ring (Gemma 4's sliding layers) whose window is below n_ctx
+    (ring_layers) keep k[layer] [window, n_kv_heads, head_dim] and v[layer] likewise, rings
+    of the last `window` positions (ring_window); memory per such layer is bounded by the
+    window whatever the context. Their rows are snapshotted and restored the same way. While a
+    forward runs, window_rows[layer] holds (pos0, k rows, v rows, base) of a ring layer whose
+    cache later layers share (kv_shared_from), for those layers to read: the ring itself
+    already holds the chunk's last rows then. The last layer sharing it drops them.
     """
 
     k: list[np.ndarray]
@@ -166,20 +173,29 @@ class KVCache:
     compress_buf: list[np.ndarray | None] = field(default_factory=list)
     index_buf: list[np.ndarray | None] = field(default_factory=list)
     ring: bool = False  # DeepSeek-V4: k / v are rings of the window's rows
+    ring_layers: tuple[int, ...] = ()  # kv_ring layers whose k / v are rings (window < n_ctx)
+    window_rows: dict[int, tuple[int, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
 
     @property
     def recurrent_state(self) -> bool:
         """Whether the cache holds Gated DeltaNet state or DeepSeek-V4 compressor windows,
         which cannot be cut back."""
-        return any(c is not None for c in self.conv) or self.ring
+        return any(c is not None for c in self.conv) or self.ring or bool(self.ring_layers)
+
+    def _window_arrays(self) -> list[np.ndarray | None]:
+        """The arrays holding only recent positions, which snapshot() copies: DeepSeek-V4's
+        compressor windows and window rings, the kv_ring layers' key and value rings."""
+        out = self.compress_buf + self.index_buf + self.k if self.ring else []
+        for i in self.ring_layers:
+            out += [self.k[i], self.v[i]]
+        return out
 
     def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
         """(length, copies of the conv / recurrent state): what restore() needs to return
         here later (keys and values before `length` are never overwritten by later tokens)."""
         copy = [None if a is None else a.copy() for a in self.conv]
-        if self.ring:  # DeepSeek-V4: compressor windows and window rings
-            bufs = [None if b is None else b.copy() for b in self.compress_buf + self.index_buf]
-            bufs += [k.copy() for k in self.k]  # the window rings
+        if self.ring or self.ring_layers:  # window rings, DeepSeek-V4's compressor windows
+            bufs = [None if b is None else b.copy() for b in self._window_arrays()]
             recurrent = [None if a is None else a.copy() for a in self.recurrent]
             return self.length, copy, recurrent, bufs  # type: ignore[return-value]
         return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
@@ -192,8 +208,8 @@ class KVCache:
         for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
             if dst is not None:
                 dst[...] = src
-        if bufs:  # DeepSeek-V4: the compressor windows and the window rings
-            for dst, src in zip(self.compress_buf + self.index_buf + self.k, bufs[0], strict=True):
+        if bufs:  # the window rings, DeepSeek-V4's compressor windows
+            for dst, src in zip(self._window_arrays(), bufs[0], strict=True):
                 if dst is not None:
                     dst[...] = src
         self.length = length
@@ -208,6 +224,10 @@ class KVCache:
                 fixed += _v4_cache_nbytes(a, n_ctx, np.dtype(dtype).itemsize)
                 continue
             if getattr(a, "kv_shared_from", None) is not None:  # reads an earlier layer's cache
+                continue
+            if _ring_rows(a, n_ctx) < n_ctx:  # Gemma 4 sliding layers: a ring of window rows
+                rows = _ring_rows(a, n_ctx) * a.n_kv_heads * (a.head_dim + a.v_head_dim)
+                fixed += rows * np.dtype(dtype).itemsize
                 continue
             if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
@@ -227,6 +247,7 @@ class KVCache:
         recurrent: list[np.ndarray | None] = []
         compressed: list[np.ndarray | None] = []
         bufs: dict[str, list[np.ndarray | None]] = {"cmp": [], "idx": []}
+        rings: list[int] = []
         for layer in spec.layers:
             a = layer.attention
             g = layer.linear_attn
@@ -265,6 +286,11 @@ class KVCache:
                 k.append(np.zeros((min(v4.sliding_window, n_ctx), 1, a.head_dim), dtype=dtype))
                 v.append(k[-1])
                 continue
+            if _ring_rows(a, n_ctx) < n_ctx:  # Gemma 4 sliding layers: rings of window rows
+                k.append(np.zeros((a.window, a.n_kv_heads, a.head_dim), dtype=dtype))
+                v.append(np.zeros((a.window, a.n_kv_heads, a.v_head_dim), dtype=dtype))
+                rings.append(len(k) - 1)
+                continue
             if a.mla is not None:
                 latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
                 k.append(latent)
@@ -276,6 +302,7 @@ class KVCache:
             k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k,
             compressed=compressed, compress_buf=bufs["cmp"], index_buf=bufs["idx"],
             ring=any(getattr(s.attention, "shared_kv", None) for s in spec.layers),
+            ring_layers=tuple(rings),
         )  # fmt: skip
 
     @property
@@ -308,6 +335,11 @@ def ring_window(
     keep = min(n, len(ring))
     ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = new[n - keep :]
     return rows, base
+
+
+def _ring_rows(a: AttentionSpec, n_ctx: int) -> int:
+    """Rows of a layer's key / value ring: its window for a kv_ring layer, else n_ctx."""
+    return min(a.window, n_ctx) if getattr(a, "kv_ring", False) and a.window > 0 else n_ctx
 
 
 def _v4_entries(v4: Any, n_ctx: int) -> int:
@@ -362,6 +394,13 @@ class Model:
         self._names = set(store.dense_names())
         self.hc_head: tuple[Linear, np.ndarray, np.ndarray] | None = None
         self.ple: dict[str, Any] | None = None  # Gemma 4 per-layer inputs
+        # kv_ring layer -> the last layer reading its cache (kv_shared_from; KVCache.window_rows)
+        self._ring_sharers = {
+            la.attention.kv_shared_from: la.index
+            for la in spec.layers
+            if la.attention.kv_shared_from is not None
+            and getattr(spec.layers[la.attention.kv_shared_from].attention, "kv_ring", False)
+        }
         if dense:
             self._load_dense()
         layout = store.layout
@@ -880,6 +919,7 @@ class Model:
         ops.rmsnorm(q, q, w["q_norm"], eps)
         ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
         src = i if a.kv_shared_from is None else a.kv_shared_from
+        keys, values, base = kv.k[src], kv.v[src], 0
         if a.kv_shared_from is None:
             k = w["k"](h, nthreads=self.nthreads).reshape(n, a.n_kv_heads, hd)
             v = k.copy() if a.k_eq_v else w["v"](h, nthreads=self.nthreads)
@@ -887,11 +927,23 @@ class Model:
             ops.rmsnorm(k, k, w["k_norm"], eps)
             ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
             ops.rmsnorm(v, v, None, eps)
-            kv.k[i][pos0 : pos0 + n] = k
-            kv.v[i][pos0 : pos0 + n] = v
+            if i in kv.ring_layers:  # the window's rows, the chunk's last ones into the rings
+                keys, base = ring_window(kv.k[i], k, pos0, a.window)
+                values, _ = ring_window(kv.v[i], v, pos0, a.window)
+                if i in self._ring_sharers:
+                    kv.window_rows[i] = (pos0, keys, values, base)
+            else:
+                kv.k[i][pos0 : pos0 + n] = k
+                kv.v[i][pos0 : pos0 + n] = v
+        elif src in kv.ring_layers:  # the rows the source layer saw in this forward
+            at, keys, values, base = kv.window_rows[src]
+            if at != pos0:
+                raise ValueError(f"layer {i}: layer {src}'s window rows are of another chunk")
+            if self._ring_sharers[src] == i:
+                del kv.window_rows[src]
         out = np.empty((n, a.n_heads, hd), dtype=np.float32)
         ops.attention(
-            out, q, kv.k[src], kv.v[src], n_kv=pos0 + n, q_pos0=pos0, scale=a.scale,
+            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 - base, scale=a.scale,
             window=a.window, nthreads=self.nthreads,
         )  # fmt: skip
         return out
