@@ -911,7 +911,9 @@ class Model:
         q and k, softmax scale `a.scale`, the layer's sliding window. With k_eq_v the values
         are the key projection before its norm; with kv_shared_from the layer computes only
         queries and attends to that layer's cache (already holding these positions). Writes
-        its own keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, head_dim]."""
+        its own keys/values of positions pos0.. into kv: into its rings on kv.ring_layers
+        (ring_window; one token is written in place and attends to the ring as it is, whose
+        rows are then exactly its window's). Returns f32 [n, n_heads, head_dim]."""
         a, w, n = self.spec.layers[i].attention, self.layers[i], h.shape[0]
         eps, hd = self.spec.norm_eps, a.head_dim
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
@@ -927,7 +929,9 @@ class Model:
             ops.rmsnorm(k, k, w["k_norm"], eps)
             ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
             ops.rmsnorm(v, v, None, eps)
-            if i in kv.ring_layers:  # the window's rows, the chunk's last ones into the rings
+            if i in kv.ring_layers and n == 1:  # decode: the row into the ring, read in place
+                kv.k[i][pos0 % a.window], kv.v[i][pos0 % a.window] = k[0], v[0]
+            elif i in kv.ring_layers:  # the window's rows, the chunk's last ones into the rings
                 keys, base = ring_window(kv.k[i], k, pos0, a.window)
                 values, _ = ring_window(kv.v[i], v, pos0, a.window)
                 if i in self._ring_sharers:
@@ -935,7 +939,11 @@ class Model:
             else:
                 kv.k[i][pos0 : pos0 + n] = k
                 kv.v[i][pos0 : pos0 + n] = v
-        elif src in kv.ring_layers:  # the rows the source layer saw in this forward
+        if src in kv.ring_layers and n == 1:
+            # one query: the ring holds exactly the rows it sees (positions base .. pos0, in
+            # rotated order: attention does not depend on the keys' order), no copy
+            base = max(0, pos0 - a.window + 1)
+        elif a.kv_shared_from is not None and src in kv.ring_layers:  # the rows src saw
             at, keys, values, base = kv.window_rows[src]
             if at != pos0:
                 raise ValueError(f"layer {i}: layer {src}'s window rows are of another chunk")
