@@ -302,6 +302,29 @@ async def test_sliding_ring_matches_transformers_over_many_windows(ring_case):
     assert err <= 1e-4 * scale, (case, err, scale)
 
 
+async def test_f16_ring_runs_what_transformers_runs_on_f16_keys(ring_case):
+    """An f16 KV cache (kv_dtype "f16") keeps f16 rings: the 52 positions' logits (prefill in
+    chunks of 3, 11 and 6, then one token at a time) stay within 1e-2 of transformers' scale,
+    and within the f16 rounding of the f32 engine's (the rings hold what the cache holds)."""
+    _case, model, store, ids = ring_case
+    tail = hf_models.greedy(model, ids, RING_NEW)
+    ref = hf_models.reference_logits(model, ids + tail)
+    runs = []
+    for kv in ("f32", "f16"):
+        async with open_engine(store, activations="f32", n_ctx=256, kv_dtype=kv) as engine:
+            seq = engine.new_sequence()
+            assert seq.kv.k[0].dtype == np.dtype(np.float32 if kv == "f32" else np.float16)
+            got = []
+            for lo, hi in ((0, 3), (3, 14), (14, 20)):
+                got.extend(await engine.forward(seq, ids[lo:hi], all_logits=True))
+            for t in tail[:-1]:
+                got.append(await engine.forward(seq, [t]))
+            runs.append(np.stack(got))
+    scale = np.abs(ref).max()
+    assert np.abs(runs[1] - ref[:-1]).max() <= 1e-2 * scale
+    assert 0 < np.abs(runs[1] - runs[0]).max() <= 1e-2 * scale  # f16 rounding, not f32's bits
+
+
 async def test_snapshot_restore_and_fork_with_the_ring(ring_case):
     """With the rings wrapped past the snapshot point, restore() and fork() give exactly the
     logits of a fresh sequence fed the same tokens the same way: the ring rows are part of
