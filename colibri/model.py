@@ -152,6 +152,13 @@ class KVCache:
     in index_k[layer] [n_ctx // rate + 1, index_head_dim] and its window rows in
     index_buf[layer]. Ring and window rows summarise the recent positions: like Gated DeltaNet
     state, only snapshot() / restore() take such a sequence back (they copy them).
+    Layers with AttentionSpec.kv_ring (Gemma 4's sliding layers) whose window is below n_ctx
+    (ring_layers) keep k[layer] [window, n_kv_heads, head_dim] and v[layer] likewise, rings
+    of the last `window` positions (ring_window); memory per such layer is bounded by the
+    window whatever the context. Their rows are snapshotted and restored the same way. While a
+    forward runs, window_rows[layer] holds (pos0, k rows, v rows, base) of a ring layer whose
+    cache later layers share (kv_shared_from), for those layers to read: the ring itself
+    already holds the chunk's last rows then. The last layer sharing it drops them.
     """
 
     k: list[np.ndarray]
@@ -166,20 +173,29 @@ class KVCache:
     compress_buf: list[np.ndarray | None] = field(default_factory=list)
     index_buf: list[np.ndarray | None] = field(default_factory=list)
     ring: bool = False  # DeepSeek-V4: k / v are rings of the window's rows
+    ring_layers: tuple[int, ...] = ()  # kv_ring layers whose k / v are rings (window < n_ctx)
+    window_rows: dict[int, tuple[int, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
 
     @property
     def recurrent_state(self) -> bool:
         """Whether the cache holds Gated DeltaNet state or DeepSeek-V4 compressor windows,
         which cannot be cut back."""
-        return any(c is not None for c in self.conv) or self.ring
+        return any(c is not None for c in self.conv) or self.ring or bool(self.ring_layers)
+
+    def _window_arrays(self) -> list[np.ndarray | None]:
+        """The arrays holding only recent positions, which snapshot() copies: DeepSeek-V4's
+        compressor windows and window rings, the kv_ring layers' key and value rings."""
+        out = self.compress_buf + self.index_buf + self.k if self.ring else []
+        for i in self.ring_layers:
+            out += [self.k[i], self.v[i]]
+        return out
 
     def snapshot(self) -> tuple[int, list[np.ndarray | None], list[np.ndarray | None]]:
         """(length, copies of the conv / recurrent state): what restore() needs to return
         here later (keys and values before `length` are never overwritten by later tokens)."""
         copy = [None if a is None else a.copy() for a in self.conv]
-        if self.ring:  # DeepSeek-V4: compressor windows and window rings
-            bufs = [None if b is None else b.copy() for b in self.compress_buf + self.index_buf]
-            bufs += [k.copy() for k in self.k]  # the window rings
+        if self.ring or self.ring_layers:  # window rings, DeepSeek-V4's compressor windows
+            bufs = [None if b is None else b.copy() for b in self._window_arrays()]
             recurrent = [None if a is None else a.copy() for a in self.recurrent]
             return self.length, copy, recurrent, bufs  # type: ignore[return-value]
         return self.length, copy, [None if a is None else a.copy() for a in self.recurrent]
@@ -192,8 +208,8 @@ class KVCache:
         for dst, src in zip(self.conv + self.recurrent, conv + recurrent, strict=True):
             if dst is not None:
                 dst[...] = src
-        if bufs:  # DeepSeek-V4: the compressor windows and the window rings
-            for dst, src in zip(self.compress_buf + self.index_buf + self.k, bufs[0], strict=True):
+        if bufs:  # the window rings, DeepSeek-V4's compressor windows
+            for dst, src in zip(self._window_arrays(), bufs[0], strict=True):
                 if dst is not None:
                     dst[...] = src
         self.length = length
@@ -208,6 +224,10 @@ class KVCache:
                 fixed += _v4_cache_nbytes(a, n_ctx, np.dtype(dtype).itemsize)
                 continue
             if getattr(a, "kv_shared_from", None) is not None:  # reads an earlier layer's cache
+                continue
+            if _ring_rows(a, n_ctx) < n_ctx:  # Gemma 4 sliding layers: a ring of window rows
+                rows = _ring_rows(a, n_ctx) * a.n_kv_heads * (a.head_dim + a.v_head_dim)
+                fixed += rows * np.dtype(dtype).itemsize
                 continue
             if a.mla is not None:
                 per_token += a.mla.kv_lora_rank + a.rot_dim
@@ -227,6 +247,7 @@ class KVCache:
         recurrent: list[np.ndarray | None] = []
         compressed: list[np.ndarray | None] = []
         bufs: dict[str, list[np.ndarray | None]] = {"cmp": [], "idx": []}
+        rings: list[int] = []
         for layer in spec.layers:
             a = layer.attention
             g = layer.linear_attn
@@ -265,6 +286,11 @@ class KVCache:
                 k.append(np.zeros((min(v4.sliding_window, n_ctx), 1, a.head_dim), dtype=dtype))
                 v.append(k[-1])
                 continue
+            if _ring_rows(a, n_ctx) < n_ctx:  # Gemma 4 sliding layers: rings of window rows
+                k.append(np.zeros((a.window, a.n_kv_heads, a.head_dim), dtype=dtype))
+                v.append(np.zeros((a.window, a.n_kv_heads, a.v_head_dim), dtype=dtype))
+                rings.append(len(k) - 1)
+                continue
             if a.mla is not None:
                 latent = np.zeros((n_ctx, 1, a.mla.kv_lora_rank + a.rot_dim), dtype=dtype)
                 k.append(latent)
@@ -276,6 +302,7 @@ class KVCache:
             k, v, n_ctx, conv=conv, recurrent=recurrent, index_k=index_k,
             compressed=compressed, compress_buf=bufs["cmp"], index_buf=bufs["idx"],
             ring=any(getattr(s.attention, "shared_kv", None) for s in spec.layers),
+            ring_layers=tuple(rings),
         )  # fmt: skip
 
     @property
@@ -288,6 +315,31 @@ class KVCache:
             if a is not None
         }  # fmt: skip
         return sum(a.nbytes for a in arrays.values())
+
+
+def ring_window(
+    ring: np.ndarray, new: np.ndarray, pos0: int, window: int
+) -> tuple[np.ndarray, int]:
+    """The rows a chunk of queries at positions pos0 .. pos0 + n - 1 sees through a sliding
+    window, from a ring of the last positions' rows (position p in row p % len(ring), len(ring)
+    >= window - 1 or every position so far), and the chunk's last rows written into the ring.
+
+    ring: [rows, ...] (f32 or f16; updated in place); new: [n, ...] the chunk's rows (any float
+    dtype; stored, and returned, in the ring's dtype). Returns (rows, base): rows [pos0 + n -
+    base, ...] of positions base .. pos0 + n - 1 (the ring's rows, then the chunk's), base =
+    max(0, pos0 - window + 1). Used by DeepSeek-V4's window and Gemma 4's sliding layers.
+    """
+    base, n = max(0, pos0 - window + 1), new.shape[0]
+    new = new.astype(ring.dtype)
+    rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], new])
+    keep = min(n, len(ring))
+    ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = new[n - keep :]
+    return rows, base
+
+
+def _ring_rows(a: AttentionSpec, n_ctx: int) -> int:
+    """Rows of a layer's key / value ring: its window for a kv_ring layer, else n_ctx."""
+    return min(a.window, n_ctx) if getattr(a, "kv_ring", False) and a.window > 0 else n_ctx
 
 
 def _v4_entries(v4: Any, n_ctx: int) -> int:
@@ -342,6 +394,13 @@ class Model:
         self._names = set(store.dense_names())
         self.hc_head: tuple[Linear, np.ndarray, np.ndarray] | None = None
         self.ple: dict[str, Any] | None = None  # Gemma 4 per-layer inputs
+        # kv_ring layer -> the last layer reading its cache (kv_shared_from; KVCache.window_rows)
+        self._ring_sharers = {
+            la.attention.kv_shared_from: la.index
+            for la in spec.layers
+            if la.attention.kv_shared_from is not None
+            and getattr(spec.layers[la.attention.kv_shared_from].attention, "kv_ring", False)
+        }
         if dense:
             self._load_dense()
         layout = store.layout
@@ -852,7 +911,9 @@ class Model:
         q and k, softmax scale `a.scale`, the layer's sliding window. With k_eq_v the values
         are the key projection before its norm; with kv_shared_from the layer computes only
         queries and attends to that layer's cache (already holding these positions). Writes
-        its own keys/values of positions pos0.. into kv. Returns f32 [n, n_heads, head_dim]."""
+        its own keys/values of positions pos0.. into kv: into its rings on kv.ring_layers
+        (ring_window; one token is written in place and attends to the ring as it is, whose
+        rows are then exactly its window's). Returns f32 [n, n_heads, head_dim]."""
         a, w, n = self.spec.layers[i].attention, self.layers[i], h.shape[0]
         eps, hd = self.spec.norm_eps, a.head_dim
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
@@ -860,6 +921,7 @@ class Model:
         ops.rmsnorm(q, q, w["q_norm"], eps)
         ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
         src = i if a.kv_shared_from is None else a.kv_shared_from
+        keys, values, base = kv.k[src], kv.v[src], 0
         if a.kv_shared_from is None:
             k = w["k"](h, nthreads=self.nthreads).reshape(n, a.n_kv_heads, hd)
             v = k.copy() if a.k_eq_v else w["v"](h, nthreads=self.nthreads)
@@ -867,11 +929,29 @@ class Model:
             ops.rmsnorm(k, k, w["k_norm"], eps)
             ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
             ops.rmsnorm(v, v, None, eps)
-            kv.k[i][pos0 : pos0 + n] = k
-            kv.v[i][pos0 : pos0 + n] = v
+            if i in kv.ring_layers and n == 1:  # decode: the row into the ring, read in place
+                kv.k[i][pos0 % a.window], kv.v[i][pos0 % a.window] = k[0], v[0]
+            elif i in kv.ring_layers:  # the window's rows, the chunk's last ones into the rings
+                keys, base = ring_window(kv.k[i], k, pos0, a.window)
+                values, _ = ring_window(kv.v[i], v, pos0, a.window)
+                if i in self._ring_sharers:
+                    kv.window_rows[i] = (pos0, keys, values, base)
+            else:
+                kv.k[i][pos0 : pos0 + n] = k
+                kv.v[i][pos0 : pos0 + n] = v
+        if src in kv.ring_layers and n == 1:
+            # one query: the ring holds exactly the rows it sees (positions base .. pos0, in
+            # rotated order: attention does not depend on the keys' order), no copy
+            base = max(0, pos0 - a.window + 1)
+        elif a.kv_shared_from is not None and src in kv.ring_layers:  # the rows src saw
+            at, keys, values, base = kv.window_rows[src]
+            if at != pos0:
+                raise ValueError(f"layer {i}: layer {src}'s window rows are of another chunk")
+            if self._ring_sharers[src] == i:
+                del kv.window_rows[src]
         out = np.empty((n, a.n_heads, hd), dtype=np.float32)
         ops.attention(
-            out, q, kv.k[src], kv.v[src], n_kv=pos0 + n, q_pos0=pos0, scale=a.scale,
+            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 - base, scale=a.scale,
             window=a.window, nthreads=self.nthreads,
         )  # fmt: skip
         return out
@@ -1234,13 +1314,8 @@ class Model:
         ops.rmsnorm(k, k, w["kv_norm"], eps)
         k = k.reshape(n, 1, hd)
         dsv4.rope_tail(k, pos, a)
-        # the window's rows: positions base .. pos0 + n - 1 (ring rows, then this chunk's, as
-        # the cache's dtype holds them), and the chunk's last rows into the ring
-        ring, base = kv.k[i], max(0, pos0 - a.window + 1)
-        k = k.astype(ring.dtype)
-        rows = np.concatenate([ring[np.arange(base, pos0) % len(ring)], k]).astype(np.float32)
-        keep = min(n, len(ring))
-        ring[np.arange(pos0 + n - keep, pos0 + n) % len(ring)] = k[n - keep :]
+        rows, base = ring_window(kv.k[i], k, pos0, a.window)
+        rows = rows.astype(np.float32)
         entries, chosen = None, None
         for pre, c in (("cmp", v.compressor), ("idx_cmp", v.index_compressor)):
             if c is None:

@@ -254,3 +254,194 @@ async def test_concurrent_streams_equal_solo_runs(activations, batch, tmp_path):
     assert shared < s1.delta(s0).forward_steps  # they really ran in shared steps
     # 16 tokens each (no EOS: the tiny config has none), then the closing item
     assert [sum(t is not None for t, _ in s) for s in solo] == [16, 16, 16]
+
+
+RING_PROMPT, RING_NEW = 20, 32  # 52 positions: six and a half 8-token windows
+
+
+@pytest.fixture(scope="module", params=["gemma4_text", "gemma4_text_plain"])
+def ring_case(request, tmp_path_factory):
+    """(case, transformers model, f32 store, prompt without near-ties) of a tiny Gemma 4 with
+    sliding_window 8 ("gemma4_text": its last two layers share layers 0 (sliding) and 1)."""
+    case = request.param
+    model = hf_models.build(case, seed=3)
+    root = tmp_path_factory.mktemp(case)
+    store = root / "f32"
+    convert(hf_models.save(model, root / "hf"), store, quant="f32", dense_quant="f32")
+    ids = hf_models.find_prompt(model, 5, RING_PROMPT, RING_NEW, 1e-4)
+    if ids is None:
+        pytest.skip(f"{case}: no prompt without a near-tie in 8 tries")
+    return case, model, store, ids
+
+
+async def test_sliding_ring_matches_transformers_over_many_windows(ring_case):
+    """Sliding layers keep a ring of sliding_window rows: a 20-token prompt prefilled in chunks
+    of 3, 11 (more than a window: the ring wraps inside the chunk, and the layer sharing
+    layer 0's cache reads the rows layer 0 saw) and 6, then 32 greedy tokens, 52 positions in
+    all: every position's f32 logits within 1e-4 of transformers' scale, the same tokens."""
+    case, model, store, ids = ring_case
+    expected = hf_models.greedy(model, ids, RING_NEW)
+    ref = hf_models.reference_logits(model, ids + expected)
+    async with open_engine(store, activations="f32", n_ctx=256) as engine:
+        seq = engine.new_sequence()
+        a = engine.spec.layers[0].attention
+        assert a.kv_ring and a.window == 8 and 0 in seq.kv.ring_layers
+        assert seq.kv.k[0].shape[0] == seq.kv.v[0].shape[0] == 8
+        got = []
+        for lo, hi in ((0, 3), (3, 14), (14, 20)):
+            got.extend(await engine.forward(seq, ids[lo:hi], all_logits=True))
+        tokens = []
+        while len(tokens) < RING_NEW:
+            tokens.append(int(np.argmax(got[-1])))
+            if len(tokens) < RING_NEW:
+                got.append(await engine.forward(seq, [tokens[-1]]))
+        assert seq.kv.window_rows == {}  # the shared rows are dropped after the last reader
+    assert tokens == expected, case
+    got = np.stack(got)
+    err, scale = np.abs(got - ref[: len(got)]).max(), np.abs(ref).max()
+    assert err <= 1e-4 * scale, (case, err, scale)
+
+
+async def test_f16_ring_runs_what_transformers_runs_on_f16_keys(ring_case):
+    """An f16 KV cache (kv_dtype "f16") keeps f16 rings: the 52 positions' logits (prefill in
+    chunks of 3, 11 and 6, then one token at a time) stay within 1e-2 of transformers' scale,
+    and within the f16 rounding of the f32 engine's (the rings hold what the cache holds)."""
+    _case, model, store, ids = ring_case
+    tail = hf_models.greedy(model, ids, RING_NEW)
+    ref = hf_models.reference_logits(model, ids + tail)
+    runs = []
+    for kv in ("f32", "f16"):
+        async with open_engine(store, activations="f32", n_ctx=256, kv_dtype=kv) as engine:
+            seq = engine.new_sequence()
+            assert seq.kv.k[0].dtype == np.dtype(np.float32 if kv == "f32" else np.float16)
+            got = []
+            for lo, hi in ((0, 3), (3, 14), (14, 20)):
+                got.extend(await engine.forward(seq, ids[lo:hi], all_logits=True))
+            for t in tail[:-1]:
+                got.append(await engine.forward(seq, [t]))
+            runs.append(np.stack(got))
+    scale = np.abs(ref).max()
+    assert np.abs(runs[1] - ref[:-1]).max() <= 1e-2 * scale
+    assert 0 < np.abs(runs[1] - runs[0]).max() <= 1e-2 * scale  # f16 rounding, not f32's bits
+
+
+async def test_snapshot_restore_and_fork_with_the_ring(ring_case):
+    """With the rings wrapped past the snapshot point, restore() and fork() give exactly the
+    logits of a fresh sequence fed the same tokens the same way: the ring rows are part of
+    the sequence's state (a plain truncate back is refused, as on hybrid models)."""
+    from colibri.errors import ColibriError
+
+    _case, _model, store, ids = ring_case
+    a_tail = np.random.default_rng(1).integers(0, 160, 12).tolist()
+    b_tail = np.random.default_rng(2).integers(0, 160, 12).tolist()
+
+    async def feed(engine, seq, tail):
+        return np.stack([await engine.forward(seq, [t]) for t in tail])
+
+    async with open_engine(store, activations="f32", n_ctx=128) as engine:
+        fresh = {}
+        for name, tail in (("a", a_tail), ("b", b_tail)):
+            seq = engine.new_sequence()
+            await engine.forward(seq, ids)
+            fresh[name] = await feed(engine, seq, tail)
+        seq = engine.new_sequence()
+        await engine.forward(seq, ids)
+        snap = seq.snapshot()
+        other = seq.fork()
+        got_a = await feed(engine, seq, a_tail)  # 12 tokens: every ring row overwritten
+        with pytest.raises(ColibriError, match="snapshot"):
+            seq.truncate(len(ids))
+        seq.restore(snap)
+        got_b = await feed(engine, seq, b_tail)
+        fork_a = await feed(engine, other, a_tail)
+    assert np.array_equal(got_a, fresh["a"]) and np.array_equal(fork_a, fresh["a"])
+    assert np.array_equal(got_b, fresh["b"])
+
+
+async def test_prefix_cache_and_sessions_with_the_ring(ring_case):
+    """Serving with the prefix cache on gives the tokens of a run without it, for prompts
+    sharing a prefix longer than the window (ring caches are not per position: they are not
+    stored there, as hybrid models' states are not)."""
+    _case, _model, store, ids = ring_case
+    prompts = [[*ids, 7, 9], [*ids, 11], [*ids, 7, 9]]
+    runs = []
+    for prefix in (0, 1 << 20):
+        async with open_engine(store, activations="f32", n_ctx=128, prefix_cache=prefix) as e:
+            runs.append(
+                [
+                    [t.token_id async for t in e.stream(p, max_tokens=10, temperature=0)]
+                    for p in prompts
+                ]
+            )
+    assert runs[0] == runs[1]
+    assert runs[0][0] == runs[0][2]
+
+
+def test_sliding_kv_bytes_stop_growing_past_the_window():
+    """A sliding layer's cache is min(n_ctx, sliding_window) rows, a full layer's n_ctx rows;
+    nbytes_for says what allocate takes. At the real 26B-A4B shape (window 1024) a sliding
+    layer holds 8 MiB in f16 whatever the context."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from synth_store import MODELS
+
+    spec = model_spec(hf_models.config("gemma4_text").to_dict())
+    own = [la for la in spec.layers if la.attention.kv_shared_from is None]
+    slide = [la.index for la in own if la.attention.kv_ring]
+    full = [la.index for la in own if not la.attention.kv_ring]
+    assert slide and full
+    for n_ctx in (4, 8, 9, 64, 4096):
+        kv = KVCache.allocate(spec, n_ctx)
+        assert kv.nbytes == KVCache.nbytes_for(spec, n_ctx)
+        for i in slide:
+            a = spec.layers[i].attention
+            rows = min(n_ctx, a.window)
+            assert kv.k[i].nbytes + kv.v[i].nbytes == rows * a.n_kv_heads * 2 * a.head_dim * 4
+        for i in full:
+            assert kv.k[i].shape[0] == n_ctx
+        assert kv.ring_layers == (tuple(slide) if n_ctx > 8 else ())
+    real = model_spec(MODELS["gemma-4-26b-a4b"])
+    per = [KVCache.nbytes_for(real, n, np.float16) for n in (1024, 2048, 3072)]
+    full_per_token = sum(
+        2 * la.attention.n_kv_heads * la.attention.head_dim * 2
+        for la in real.layers if not la.attention.kv_ring
+    )  # fmt: skip
+    assert per[1] - per[0] == per[2] - per[1] == 1024 * full_per_token  # only full layers grow
+    ring = KVCache.nbytes_for(real, 1024, np.float16) - 1024 * full_per_token
+    assert ring == 25 * 1024 * 8 * 256 * 2 * 2
+
+
+def test_synthetic_preset_is_the_26b_a4b_shape():
+    """tools/synth_store.py's gemma-4-26b-a4b: the spec's dense tensors are what transformers
+    builds from its text_config (hub names), 25 sliding + 5 full layers, 128 experts of 704,
+    top-8; 25.2B parameters in all and 3.8B active per token (Google's published figures)."""
+    import sys
+    from pathlib import Path
+
+    from colibri.models.spec import dense_tensors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from synth_store import MODELS
+
+    cfg = MODELS["gemma-4-26b-a4b"]
+    text = transformers.AutoConfig.for_model(**cfg).get_text_config()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(text)
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items() if ".experts." not in n}
+    assert text.tie_word_embeddings
+    del want["lm_head.weight"]  # tied to the embedding: not stored
+    spec = model_spec(cfg)
+    assert dense_tensors(spec) == want
+    assert [la.attention.kv_ring for la in spec.layers] == [
+        t == "sliding_attention" for t in text.layer_types
+    ]
+    assert sum(la.attention.kv_ring for la in spec.layers) == 25
+    r = spec.moe.router
+    assert (r.num_experts, r.top_k, spec.moe.d_ff) == (128, 8, 704)
+    expert = 3 * spec.moe.d_ff * spec.d_model
+    dense = sum(np.prod(s) for s in want.values())
+    total = dense + len(spec.layers) * r.num_experts * expert
+    active = dense + len(spec.layers) * r.top_k * expert
+    assert round(total / 1e9, 1) == 25.2 and round(active / 1e9, 1) == 3.8

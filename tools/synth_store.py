@@ -214,8 +214,39 @@ MODELS: dict[str, dict[str, Any]] = {
                                 "mrope_interleaved": True},
         },
     },
+    # google/gemma-4-26B-A4B: multimodal (Gemma4ForConditionalGeneration); the language model
+    # is text_config (vision tower not stored). Values as published in its text_config (the
+    # hub config.json, quoted verbatim by the mlx-community/gemma-4-26b-a4b-it-4bit conversion
+    # and by other engines' tests): 30 layers, 5 sliding (window 1024) to 1 full, full layers
+    # with head_dim 512, 2 kv heads and K = V; 128 experts of 704, top-8, beside a 2112-wide
+    # dense GELU MLP; no per-layer inputs, no KV sharing; logits soft-capped at 30.
+    # bos / eos / pad are Gemma's usual ids (2 / 1 / 0), the hub's eos list [1, 106] cut to 1.
+    "gemma-4-26b-a4b": {
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2816,
+            "intermediate_size": 2112, "num_hidden_layers": 30, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+            "num_global_key_value_heads": 2, "attention_k_eq_v": True, "sliding_window": 1024,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],  # x 5, see below
+            "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+            "moe_intermediate_size": 704, "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 262144, "num_kv_shared_layers": 0,
+            "use_double_wide_mlp": False, "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1000000.0},
+            },
+            "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        },
+    },
 }  # fmt: skip
 MODELS["qwen3.5-397b-a17b"]["text_config"]["layer_types"] *= 15
+MODELS["gemma-4-26b-a4b"]["text_config"]["layer_types"] *= 5
 # model -> [(file in TOKENIZERS, name in the store)]; .xz is decompressed, .model converted
 TOKENIZER_SOURCES = {
     "mixtral-8x7b": [("mixtral_mistral/tokenizer.model.v1", "tokenizer.json")],
@@ -259,6 +290,8 @@ TOKENIZER_SOURCES = {
     # inside both vocabularies, so text goes in and out (the weights are random anyway)
     "minimax-m2": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
     "llama-4-scout": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
+    # no Gemma tokenizer in shared/data: Qwen3's ids (< 151669 of 262144) stand in
+    "gemma-4-26b-a4b": [("qwen/qwen3_tokenizer.json.xz", "tokenizer.json")],
 }
 
 
@@ -281,7 +314,8 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
         ]
         key = next(k for k in keys if k in cfg)
         mult = cfg.get("n_group", 1)
-        n = max(cfg["num_experts_per_tok"], round(cfg[key] * scale / mult) * mult)
+        top_k = registry.model_spec(outer).moe.router.top_k  # num_experts_per_tok, ...
+        n = max(top_k, round(cfg[key] * scale / mult) * mult)
         cfg[key] = max(n, mult)
     return outer
 

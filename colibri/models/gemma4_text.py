@@ -176,6 +176,7 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
             v_norm=True,
             k_eq_v=k_eq_v and t == "full_attention",
             kv_shared_from=src,
+            kv_ring=t == "sliding_attention",
         )
         names = attention_names(p, qk_norm=True) | mlp_names(f"{p}.mlp")
         names |= {

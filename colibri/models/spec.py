@@ -169,6 +169,9 @@ class AttentionSpec:
     v_norm: bool = False
     k_eq_v: bool = False
     kv_shared_from: int | None = None
+    # kv_ring (Gemma 4 sliding layers): the layer's keys and values are kept in a ring of
+    # `window` rows (model.KVCache), not the whole context
+    kv_ring: bool = False
 
 
 @dataclass(frozen=True)
