@@ -149,6 +149,12 @@ class Checkpoint:
             if name not in self.meta:
                 raise ConversionError(f"{src / fname}: tensor {name!r} listed in index missing")
         self.logical: dict[str, tuple[int, ...]] = {}  # packed tensors' unpacked shapes
+        self.saved_as: dict[str, str] = {}  # name read -> the file's own (Family.source_renames)
+
+    def called(self, name: str) -> str:
+        """`name` quoted for a message, with the file's own spelling when it was renamed."""
+        saved = self.saved_as.get(name)
+        return repr(name) if saved is None else f"{saved!r} (read as {name!r})"
 
     def rename(self, fam: Family) -> None:
         """Read the tensors under `fam`'s names for them (Family.source_renames): the hub's
@@ -168,6 +174,8 @@ class Checkpoint:
                     f"{self.src}: tensors {name!r} and another both read as {new!r}"
                 )
             meta[new] = info
+            if new != name:
+                self.saved_as[new] = name
         self.meta = meta
         if dropped:
             what = ", ".join(f"{k}.* ({n})" for k, n in sorted(dropped.items()))
@@ -336,7 +344,7 @@ def plan_experts(
 def _check_shape(ck: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
     if ck.shape(name) != shape:
         raise ConversionError(
-            f"{ck.meta[name][0]}: tensor {name!r} has shape {list(ck.shape(name))}, "
+            f"{ck.meta[name][0]}: tensor {ck.called(name)} has shape {list(ck.shape(name))}, "
             f"config.json implies {list(shape)}"
         )
 
@@ -374,7 +382,7 @@ def plan_dense(
         layer = _layer_of(stored[name])
         top = ("model.", "lm_head.", f"{spec.lm_head}.")  # DeepSeek-V4's is `head`
         if layer >= n + mtp or (layer < 0 and not stored[name].startswith(top)):
-            raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
+            raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {ck.called(name)}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation
         qt = dense_qtype(stored[name], ck.shape(name), dense_quant, f32)
@@ -382,10 +390,10 @@ def plan_dense(
     shapes = {store: shape for _, store, _, shape in out}
     for name, shape in dense_tensors(spec).items():
         if name not in shapes:
-            raise ConversionError(f"{ck.src}: missing tensor {name!r}")
+            raise ConversionError(f"{ck.src}: missing tensor {ck.called(name)}")
         if shapes[name] != shape:
             raise ConversionError(
-                f"{ck.src}: tensor {name!r} has shape {list(shapes[name])}, config.json "
+                f"{ck.src}: tensor {ck.called(name)} has shape {list(shapes[name])}, config.json "
                 f"implies {list(shape)}"
             )
     return out
@@ -414,32 +422,35 @@ class SourceWeights:
             wdt = ck.dtype(weight) if weight in ck.meta else None
             if wdt not in ("F8_E4M3", "I8"):
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: {name!r} has no F8_E4M3 (or FP4-packed I8) {weight!r}"
+                    f"{ck.meta[name][0]}: {ck.called(name)} has no F8_E4M3 (or FP4-packed I8) "
+                    f"{ck.called(weight)}"
                 )
             if sq is None or method != "fp8":
                 raise ConversionError(
-                    f"{ck.src}: tensor {weight!r} is {'FP8' if wdt == 'F8_E4M3' else 'FP4'} "
-                    "but config.json has no quantization_config with quant_method 'fp8'"
+                    f"{ck.src}: tensor {ck.called(weight)} is "
+                    f"{'FP8' if wdt == 'F8_E4M3' else 'FP4'} but config.json has no "
+                    "quantization_config with quant_method 'fp8'"
                 )
             sdt = ck.dtype(name)
             if sdt not in ("F32", "BF16", "F8_E8M0", "U8"):
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: scale {name!r} has dtype {sdt} (need F32, BF16 or "
-                    "UE8M0 bytes F8_E8M0 / U8)"
+                    f"{ck.meta[name][0]}: scale {ck.called(name)} has dtype {sdt} (need F32, "
+                    "BF16 or UE8M0 bytes F8_E8M0 / U8)"
                 )
             if wdt == "I8":
                 rows, half = ck.meta[weight][2] if len(ck.meta[weight][2]) == 2 else (0, 0)
                 if sq.expert_dtype != "fp4" or sdt not in ("F8_E8M0", "U8"):
                     raise ConversionError(
-                        f"{ck.meta[weight][0]}: tensor {weight!r} is I8 (FP4-packed); that "
-                        "needs expert_dtype 'fp4' in config.json and UE8M0 scales, got "
+                        f"{ck.meta[weight][0]}: tensor {ck.called(weight)} is I8 (FP4-packed); "
+                        "that needs expert_dtype 'fp4' in config.json and UE8M0 scales, got "
                         f"expert_dtype {sq.expert_dtype!r} and a {sdt} scale"
                     )
                 if not rows or half % 16 or ck.shape(name) != (rows, half // 16):
                     raise ConversionError(
-                        f"{ck.meta[name][0]}: FP4 tensor {weight!r} {list(ck.meta[weight][2])} "
-                        f"needs a scale of [{rows}, {half // 16}] (one per 32 weights), "
-                        f"{name!r} is {list(ck.shape(name))}"
+                        f"{ck.meta[name][0]}: FP4 tensor {ck.called(weight)} "
+                        f"{list(ck.meta[weight][2])} needs a scale of [{rows}, {half // 16}] "
+                        "(one per 32 weights), "
+                        f"{ck.called(name)} is {list(ck.shape(name))}"
                     )
                 ck.logical[weight] = (rows, 2 * half)
                 self.fp4.add(weight)
@@ -451,7 +462,7 @@ class SourceWeights:
             dtype = ck.dtype(name)
             if dtype in ("F8_E4M3", "I8") and name not in self.scale_of:
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: {dtype} tensor {name!r} has no {name}_scale_inv "
+                    f"{ck.meta[name][0]}: {dtype} tensor {ck.called(name)} has no weight_scale_inv "
                     "(hub spelling: .scale)"
                 )
             if (
@@ -460,7 +471,7 @@ class SourceWeights:
                 and (method != "mxfp4" or not name.endswith(("_blocks", "_scales")))
             ):
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: tensor {name!r} is {dtype}; only MXFP4 experts' "
+                    f"{ck.meta[name][0]}: tensor {ck.called(name)} is {dtype}; only MXFP4 experts' "
                     "_blocks / _scales (quantization_config quant_method 'mxfp4') and FP8 / "
                     "FP4 weights' scales are"
                 )
