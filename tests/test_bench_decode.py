@@ -52,3 +52,24 @@ def test_phase_per_token_split() -> None:
     assert pt["total"] == pytest.approx(0.5) and pt["compute"] == pytest.approx(0.3)
     assert pt["wait_io"] == pytest.approx(0.15) and pt["other"] == pytest.approx(0.05)
     assert pt["bytes"] == pytest.approx(100)
+
+
+def test_decode_section_store_presets(tmp_path, monkeypatch) -> None:
+    """--decode-model picks the synthetic store's preset: its layers, --scale and name."""
+    from colibri.bench import sec_decode
+    from colibri.bench.report import Context
+
+    ctx = Context(out=tmp_path, work=tmp_path, quick=True, threads=1, rounds=1)
+    assert sec_decode.decode_model(ctx) == sec_decode.MODEL
+    ctx.decode_model = "deepseek-v4-flash"
+    made = []
+    monkeypatch.setattr(ctx, "free_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(ctx, "run", lambda cmd: made.append(cmd))
+    path, note = sec_decode._store(ctx, 12)
+    assert path == tmp_path / "deepseek-v4-flash-L4-s0.125-q4_0" and not note
+    cmd = made[0]
+    assert cmd[2:4] == ["deepseek-v4-flash", str(path)]
+    assert cmd[cmd.index("--scale") + 1] == "0.125" and cmd[cmd.index("--layers") + 1] == "4"
+    monkeypatch.setattr(ctx, "free_bytes", lambda: 1 << 30)
+    path, note = sec_decode._store(ctx, 12)
+    assert path is None and "deepseek-v4-flash" in note
