@@ -35,7 +35,8 @@ LAYER_NBYTES, BASE_NBYTES = 390_000_000, 450_000_000
 MODELS: dict[str, dict[str, Any]] = {
     MODEL: {"layer": LAYER_NBYTES, "base": BASE_NBYTES, "scale": None, "layers": None},
     # 32 of 256 experts; measured L4 3.57 GB (1.13 GB embeddings + head, 0.61 GB a layer);
-    # 4 layers: two HCA, a CSA (the indexer) and an HCA layer, three of them hash-routed
+    # 4 layers: two sliding-window, a CSA (the indexer) and an HCA layer, the first three
+    # hash-routed
     "deepseek-v4-flash": {
         "layer": 610_000_000,
         "base": 1_130_000_000,

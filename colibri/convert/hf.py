@@ -56,8 +56,8 @@ from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import family, model_spec
 
 # safetensors dtype -> numpy dtype of the stored elements; F8_E4M3 (FP8 checkpoints), U8
-# (gpt-oss MXFP4 blocks / scales), F8_E8M0 (UE8M0 scales) and I8 (DeepSeek-V4's FP4-packed
-# experts) are kept as bytes (colibri.convert.quantized decodes them)
+# (gpt-oss MXFP4 blocks / scales), F8_E8M0 (UE8M0 scales) and I8 / F4 (DeepSeek-V4's
+# FP4-packed experts) are kept as bytes (colibri.convert.quantized decodes them)
 _DTYPES = {
     "BF16": np.uint16,
     "F16": np.float16,
@@ -66,6 +66,7 @@ _DTYPES = {
     "F8_E8M0": np.uint8,
     "U8": np.uint8,
     "I8": np.int8,
+    "F4": np.uint8,  # float4_e2m1fn_x2, two E2M1 a byte (read as [..., last / 2] bytes)
     "I64": np.int64,  # only DeepSeek-V4's tid2eid tables (_INT_NAMES): ids, exact in f32
     "I32": np.int32,
 }
@@ -141,6 +142,8 @@ class Checkpoint:
                         f"{path}: tensor {name!r} has dtype {dtype}; supported: "
                         + ", ".join(_DTYPES)
                     )
+                if dtype == "F4":  # the bytes' shape; the values' is the logical one
+                    shape = (*shape[:-1], shape[-1] // 2) if shape else shape
                 b, e = info["data_offsets"]
                 if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize:
                     raise ConversionError(f"{path}: tensor {name!r}: data size != {shape}")
@@ -403,8 +406,9 @@ class SourceWeights:
     """A checkpoint's weights decoded from the source's own quantization (config.json
     `quantization_config`, colibri.convert.quantized): FP8 `X.weight` + `X.weight_scale_inv`
     pairs dequantized exactly or kept as store `fp8` rows; DeepSeek-V4's FP4 experts (I8
-    `X.weight` [out, in / 2] + UE8M0 `X.weight_scale_inv` [out, in / 32], expert_dtype "fp4")
-    dequantized exactly or kept as store `mxfp4` blocks; everything else as Checkpoint.read.
+    `X.weight` [out, in / 2] with expert_dtype "fp4", or safetensors F4 [out, in], the same
+    bytes; + UE8M0 `X.weight_scale_inv` [out, in / 32]) dequantized exactly or kept as store
+    `mxfp4` blocks; everything else as Checkpoint.read.
 
     Raises ConversionError (naming the tensor) for an F8_E4M3 / I8 weight without its scales,
     a scale without its weight or of the wrong grid or dtype, FP8 / FP4 / U8 tensors the
@@ -420,7 +424,7 @@ class SourceWeights:
                 continue
             weight = name[: -len("_scale_inv")]
             wdt = ck.dtype(weight) if weight in ck.meta else None
-            if wdt not in ("F8_E4M3", "I8"):
+            if wdt not in ("F8_E4M3", "I8", "F4"):
                 raise ConversionError(
                     f"{ck.meta[name][0]}: {ck.called(name)} has no F8_E4M3 (or FP4-packed I8) "
                     f"{ck.called(weight)}"
@@ -437,12 +441,12 @@ class SourceWeights:
                     f"{ck.meta[name][0]}: scale {ck.called(name)} has dtype {sdt} (need F32, "
                     "BF16 or UE8M0 bytes F8_E8M0 / U8)"
                 )
-            if wdt == "I8":
+            if wdt in ("I8", "F4"):
                 rows, half = ck.meta[weight][2] if len(ck.meta[weight][2]) == 2 else (0, 0)
-                if sq.expert_dtype != "fp4" or sdt not in ("F8_E8M0", "U8"):
+                if (wdt == "I8" and sq.expert_dtype != "fp4") or sdt not in ("F8_E8M0", "U8"):
                     raise ConversionError(
-                        f"{ck.meta[weight][0]}: tensor {ck.called(weight)} is I8 (FP4-packed); "
-                        "that needs expert_dtype 'fp4' in config.json and UE8M0 scales, got "
+                        f"{ck.meta[weight][0]}: tensor {ck.called(weight)} is {wdt} (FP4-packed)"
+                        "; that needs expert_dtype 'fp4' in config.json and UE8M0 scales, got "
                         f"expert_dtype {sq.expert_dtype!r} and a {sdt} scale"
                     )
                 if not rows or half % 16 or ck.shape(name) != (rows, half // 16):
@@ -460,7 +464,7 @@ class SourceWeights:
         self.aux = set(self.scale_of.values())  # tensors read only as part of another
         for name in ck.meta:
             dtype = ck.dtype(name)
-            if dtype in ("F8_E4M3", "I8") and name not in self.scale_of:
+            if dtype in ("F8_E4M3", "I8", "F4") and name not in self.scale_of:
                 raise ConversionError(
                     f"{ck.meta[name][0]}: {dtype} tensor {ck.called(name)} has no weight_scale_inv "
                     "(hub spelling: .scale)"
