@@ -70,3 +70,24 @@ async def test_timed_greedy_decodes_as_the_engine_generates() -> None:
         got, seconds, last = await timed_greedy(eng, seq, logits, 12)
     assert got == want and len(got) == 12
     assert seconds > 0 and last.shape == (eng.spec.vocab_size,)
+
+
+def test_decode_section_store_presets(tmp_path, monkeypatch) -> None:
+    """--decode-model picks the synthetic store's preset: its layers, --scale and name."""
+    from colibri.bench import sec_decode
+    from colibri.bench.report import Context
+
+    ctx = Context(out=tmp_path, work=tmp_path, quick=True, threads=1, rounds=1)
+    assert sec_decode.decode_model(ctx) == sec_decode.MODEL
+    ctx.decode_model = "deepseek-v4-flash"
+    made = []
+    monkeypatch.setattr(ctx, "free_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(ctx, "run", lambda cmd: made.append(cmd))
+    path, note = sec_decode._store(ctx, 12)
+    assert path == tmp_path / "deepseek-v4-flash-L4-s0.125-q4_0" and not note
+    cmd = made[0]
+    assert cmd[2:4] == ["deepseek-v4-flash", str(path)]
+    assert cmd[cmd.index("--scale") + 1] == "0.125" and cmd[cmd.index("--layers") + 1] == "4"
+    monkeypatch.setattr(ctx, "free_bytes", lambda: 1 << 30)
+    path, note = sec_decode._store(ctx, 12)
+    assert path is None and "deepseek-v4-flash" in note

@@ -250,3 +250,66 @@ def test_transformers_layout_converts_to_the_same_store(v4, tmp_path):
             return await eng.forward(eng.new_sequence(), ids)
 
     np.testing.assert_array_equal(asyncio.run(run(tmp_path / "s")), asyncio.run(run(store)))
+
+
+def _compress_tokenwise(c, kvx, gx, ape, norm_w, eps, buf, entries, pos0, a):
+    """The compressor fed one token at a time: the per-token loop dsv4.compress replaced
+    (kept here as its reference; the same formulas, spec.CompressorSpec)."""
+    m, D = c.compress_rate, c.head_dim
+    done = []
+    for s in range(kvx.shape[0]):
+        win, slot = divmod(pos0 + s, m)
+        par = win % 2
+        buf[0, par, slot] = kvx[s]
+        buf[1, par, slot] = gx[s] + ape[slot]
+        if slot != m - 1:
+            continue
+        if not c.overlap:
+            kv_w, g_w = buf[0, par], buf[1, par]
+        elif win == 0:
+            kv_w, g_w = buf[0, par, :, D:], buf[1, par, :, D:]
+        else:
+            kv_w = np.concatenate([buf[0, 1 - par, :, :D], buf[0, par, :, D:]])
+            g_w = np.concatenate([buf[1, 1 - par, :, :D], buf[1, par, :, D:]])
+        z = np.exp(g_w - g_w.max(axis=0, keepdims=True)).astype(np.float32)
+        z /= z.sum(axis=0, keepdims=True)
+        done.append((win, (kv_w * z).sum(axis=0, dtype=np.float32)))
+    if done:
+        rows = np.ascontiguousarray(np.stack([v for _, v in done]))
+        dsv4.ops.rmsnorm(rows, rows, norm_w, eps)
+        wins = np.array([w for w, _ in done], dtype=np.int32)
+        t = rows[:, None, :]
+        dsv4.rope_tail(t, wins * np.int32(m), a)
+        entries[wins] = t[:, 0]
+
+
+@pytest.mark.parametrize(("rate", "overlap"), [(4, True), (8, False), (128, False), (4, False)])
+def test_compressor_chunking_is_bit_exact(rate, overlap):
+    """The vectorised compressor gives the token-by-token loop's entries and window state
+    bit for bit, fed in one shot, token by token, or in uneven chunks that open and close
+    windows inside and across calls."""
+    from colibri.models.spec import CompressorSpec
+
+    spec = model_spec(hf_models.config(CASE).to_dict())
+    a = next(layer.attention for layer in spec.layers if layer.attention.shared_kv.compressor)
+    D = a.head_dim
+    c = CompressorSpec(rate, D, overlap)
+    width = D * (1 + overlap)
+    rng = np.random.default_rng(rate + overlap)
+    n = 3 * rate + rate // 2 + 3
+    kvx, gx = (rng.standard_normal((n, width), dtype=np.float32) for _ in range(2))
+    ape = rng.standard_normal((rate, width), dtype=np.float32)
+    norm_w = 1 + 0.3 * rng.standard_normal(D, dtype=np.float32)
+
+    def run(fn, cuts):
+        buf = np.zeros((2, 2, rate, width), np.float32)
+        entries = np.full((n // rate + 1, D), np.nan, np.float32)
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            fn(c, kvx[lo:hi], gx[lo:hi], ape, norm_w, 1e-6, buf, entries, lo, a)
+        return entries, buf
+
+    want = run(_compress_tokenwise, list(range(1, n)))
+    for cuts in ([], list(range(1, n)), [1, 2, rate - 1, rate + 3, 2 * rate + 1, 3 * rate]):
+        for got, ref in zip(run(dsv4.compress, cuts), want, strict=True):
+            np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(run(_compress_tokenwise, [])[0], want[0])

@@ -120,8 +120,10 @@ MODELS: dict[str, dict[str, Any]] = {
         "index_head_dim": 128, "index_n_heads": 32, "attention_bias": False,
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     },
-    # DeepSeek-V4 (DeepseekV4Config's defaults: the V4-Flash body, V4-Pro's layer pattern of
-    # two HCA layers then CSA / HCA alternating, three hash-routed layers first)
+    # DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash's config.json: DeepseekV4Config's
+    # defaults for the body, its own compress_ratios: two sliding-window layers, then CSA /
+    # HCA alternating to a CSA layer 42, the 44th entry (0) the MTP layer's; YaRN on the
+    # compressed layers; three hash-routed layers first. --layers 4: sliding, sliding, CSA, HCA)
     "deepseek-v4-flash": {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
@@ -134,6 +136,9 @@ MODELS: dict[str, dict[str, Any]] = {
         "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
         "partial_rotary_factor": 0.125, "rms_norm_eps": 1e-6, "hidden_act": "silu",
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "compress_ratios": [0, 0, *[4, 128] * 20, 4, 0], "num_hash_layers": 3,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
     },
     # deepseek-ai/DeepSeek-V3.2's shape: DeepSeek-V3 + the DSA indexer (64 heads)
     "deepseek-v3.2": {
@@ -307,6 +312,8 @@ def model_config(model: str, layers: int | None = None, scale: float = 1.0) -> d
             cfg["layer_types"] = cfg["layer_types"][:layers]
         if "mlp_layer_types" in cfg:
             cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:layers]
+        if "compress_ratios" in cfg:  # DeepSeek-V4's per-layer pattern
+            cfg["compress_ratios"] = cfg["compress_ratios"][:layers]
     if scale != 1.0:
         keys = [
             fam.num_experts_key,

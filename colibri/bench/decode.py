@@ -48,9 +48,12 @@ from colibri.run import parse_size, size_arg
 STORES = Path("/tmp/stores")
 
 
-def synth_command(path: Path, model: str, layers: int | None, quant: str = "q4_0") -> list[str]:
-    """The tools/synth_store.py command that makes `path`."""
+def synth_command(
+    path: Path, model: str, layers: int | None, quant: str = "q4_0", scale: float | None = None
+) -> list[str]:
+    """The tools/synth_store.py command that makes `path` (scale: its --scale)."""
     cmd = [sys.executable, tool("synth_store.py"), model, str(path), "--quant", quant]
+    cmd += ["--scale", str(scale)] if scale else []
     return cmd + (["--layers", str(layers)] if layers else [])
 
 
@@ -60,13 +63,14 @@ def ensure_store(
     layers: int | None,
     quant: str = "q4_0",
     run: Callable[[list[str]], Any] | None = None,
+    scale: float | None = None,
 ) -> Path:
     """Make a synthetic store with tools/synth_store.py unless it is already there.
     `run(cmd)` runs the command (default subprocess.run, check=True); the tool writes to a
     temporary directory and renames it, so a store that exists is complete."""
     if (path / "manifest.json").exists():
         return path
-    cmd = synth_command(path, model, layers, quant)
+    cmd = synth_command(path, model, layers, quant, scale)
     if run is None:
         print("making", path, "...", flush=True)
         subprocess.run(cmd, check=True)

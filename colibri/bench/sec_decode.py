@@ -5,7 +5,9 @@ budget sweep down to one layer's top-k records, where nearly every expert misses
 storage-bound.
 
 Store: tools/synth_store.py qwen3-30b-a3b with --layers N (real shapes, random blocks) under
-ctx.work. Each run opens a fresh engine (empty expert cache, O_DIRECT reads, so nothing comes
+ctx.work; `colibri bench --decode-model deepseek-v4-flash` runs the same section on a store of
+another preset of MODELS (DeepSeek-V4-Flash: 4 layers, 1/8 of its routed experts, scaled to
+the disk). Each run opens a fresh engine (empty expert cache, O_DIRECT reads, so nothing comes
 from the page cache) and makes two passes over the same prompt and greedy tokens: pass 1 is
 cold, pass 2 warm (pass 1 was its warm-up). Bounds and their formulas: colibri/bench/decode.py.
 """
@@ -28,6 +30,20 @@ MODEL = "qwen3-30b-a3b"
 # per-layer and fixed store bytes of MODEL in q4_0 experts / q8_0 dense (measured: L4 2.0 GB,
 # L8 3.56 GB), for the free-space check before making a store
 LAYER_NBYTES, BASE_NBYTES = 390_000_000, 450_000_000
+# the decode section's store presets (tools/synth_store.py names): per-layer bytes, fixed
+# bytes, --scale (fraction of routed experts kept), layers (None: the plan's)
+MODELS: dict[str, dict[str, Any]] = {
+    MODEL: {"layer": LAYER_NBYTES, "base": BASE_NBYTES, "scale": None, "layers": None},
+    # 32 of 256 experts; measured L4 3.57 GB (1.13 GB embeddings + head, 0.61 GB a layer);
+    # 4 layers: two sliding-window, a CSA (the indexer) and an HCA layer, the first three
+    # hash-routed
+    "deepseek-v4-flash": {
+        "layer": 610_000_000,
+        "base": 1_130_000_000,
+        "scale": 0.125,
+        "layers": 4,
+    },
+}
 SLACK = 2 << 30
 QD_READER = 32  # EngineOptions.queue_depth's default: the reader's reads in flight
 
@@ -38,16 +54,26 @@ def _plan(ctx: Context) -> dict[str, Any]:
     return {"layers": 12, "prompt": 64, "tokens": 16, "sweep": (1 / 32, 1 / 16, 1 / 8, 1 / 4)}
 
 
+def decode_model(ctx: Context) -> str:
+    """The store preset of this run (`colibri bench --decode-model`, default MODEL)."""
+    return getattr(ctx, "decode_model", None) or MODEL
+
+
 def _store(ctx: Context, layers: int) -> tuple[Path | None, str]:
     """The synthetic store (made if missing, fewer layers if the disk is short)."""
-    for n in (layers, layers // 2, 4):
-        path = ctx.work / f"{MODEL}-L{n}-q4_0"
+    model = decode_model(ctx)
+    m = MODELS[model]
+    layers = m["layers"] or layers
+    scale = m["scale"]
+    tag = f"-s{scale:g}" if scale else ""
+    for n in dict.fromkeys((layers, layers // 2, 4)):
+        path = ctx.work / f"{model}-L{n}{tag}-q4_0"
         if (path / "manifest.json").exists():
             return path, ""
-        if ctx.free_bytes() >= BASE_NBYTES + n * LAYER_NBYTES + SLACK:
+        if ctx.free_bytes() >= m["base"] + n * m["layer"] + SLACK:
             ctx.log(f"decode: making {path.name} (synthetic, {n} layers)")
-            return bench_decode.ensure_store(path, MODEL, n, run=ctx.run), ""
-    return None, f"not enough free space under {ctx.work} for a {MODEL} store of 4 layers"
+            return bench_decode.ensure_store(path, model, n, run=ctx.run, scale=scale), ""
+    return None, f"not enough free space under {ctx.work} for a {model} store of 4 layers"
 
 
 def _scenarios(total: int, rec: int, top_k: int) -> dict[str, int]:
@@ -174,6 +200,7 @@ def run(ctx: Context) -> Section:
             ),
         }
     data = {
+        "model": decode_model(ctx),
         "store": str(path),
         "store_layers": layers,
         "experts_nbytes": total,
@@ -231,7 +258,7 @@ def _bound(x: float) -> str:
 def _markdown(d: dict[str, Any], budgets: dict[str, int]) -> str:
     pts = d["points"]
     md = [
-        f"Store: synthetic {MODEL} ({d['store_layers']} layers, "
+        f"Store: synthetic {d.get('model', MODEL)} ({d['store_layers']} layers, "
         f"{d['experts_nbytes'] / 2**30:.2f} GiB of q4_0 experts in records of "
         f"{d['record_nbytes'] / 2**20:.2f} MiB; random blocks, real shapes), `{d['store']}`. "
         f"Each run opens a fresh engine ({d['threads']} threads, reader "

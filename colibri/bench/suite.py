@@ -71,6 +71,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, help="compute threads for both engines (default: cores)")
     p.add_argument("--rounds", type=int, help="interleaved A/B rounds (default 3, quick 2)")
+    p.add_argument(
+        "--decode-model",
+        default=None,
+        choices=("qwen3-30b-a3b", "deepseek-v4-flash"),  # sec_decode.MODELS
+        help="decode section: the synthetic store's tools/synth_store.py preset "
+        "(qwen3-30b-a3b, default; deepseek-v4-flash)",
+    )
     p.add_argument("--mirror", action="append", default=[], metavar="DIR",
                    help="mirror section: a directory on another drive for a copy (repeatable; "
                    "default: /dev/shm standing in for a second drive)")  # fmt: skip
@@ -104,6 +111,7 @@ def run_cli(args: argparse.Namespace) -> int:
     ctx = Context(out=out.resolve(), work=args.work.resolve(), quick=args.quick, threads=threads,
                   rounds=args.rounds or (2 if args.quick else 3))  # fmt: skip
     ctx.mirrors = args.mirror
+    ctx.decode_model = args.decode_model
     sections: list[Section] = []
     machine = machine_info(ctx.work)
     t_start = time.perf_counter()

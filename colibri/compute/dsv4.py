@@ -118,33 +118,47 @@ def compress(
     parity (the per-sequence state); entries f32 [>= windows, head_dim]: entry w, RMSNorm'd and
     rotated (trailing rot_dim dims, position w * compress_rate), is written at row w."""
     m, D = c.compress_rate, c.head_dim
-    done: list[tuple[int, np.ndarray]] = []
-    for s in range(kvx.shape[0]):
-        p = pos0 + s
-        win, slot = divmod(p, m)
-        par = win % 2
-        buf[0, par, slot] = kvx[s]
-        buf[1, par, slot] = gx[s] + ape[slot]
-        if slot != m - 1:
-            continue
+    n, width = kvx.shape
+    end = pos0 + n
+    # every window the chunk closes at once: the timeline from the start of the previous
+    # window of pos0's (its raw rows still in buf) to the end of the last closed window
+    w_lo, w_hi = pos0 // m, end // m  # windows w_lo .. w_hi - 1 close
+    if w_hi > w_lo:
+        first = max(0, (w_lo - 1) * m if c.overlap else w_lo * m)
+        k_all = np.empty((w_hi * m - first, width), np.float32)
+        g_all = np.empty_like(k_all)
+        old = np.arange(first, pos0)  # rows fed before this chunk: from the window buffers
+        k_all[: len(old)] = buf[0, (old // m) % 2, old % m]
+        g_all[: len(old)] = buf[1, (old // m) % 2, old % m]
+        new = np.arange(pos0, w_hi * m)
+        k_all[len(old) :] = kvx[: len(new)]
+        g_all[len(old) :] = gx[: len(new)] + ape[new % m]
+        k_all = k_all.reshape(-1, m, width)  # [windows from first // m, m, width]
+        g_all = g_all.reshape(-1, m, width)
         if not c.overlap:
-            kv_w, g_w = buf[0, par], buf[1, par]
-        elif win == 0:  # no previous window: its Ca half has softmax weight 0
-            kv_w, g_w = buf[0, par, :, D:], buf[1, par, :, D:]
-        else:  # previous window's Ca, this window's Cb
-            kv_w = np.concatenate([buf[0, 1 - par, :, :D], buf[0, par, :, D:]])
-            g_w = np.concatenate([buf[1, 1 - par, :, :D], buf[1, par, :, D:]])
-        z = np.exp(g_w - g_w.max(axis=0, keepdims=True)).astype(np.float32)
-        z /= z.sum(axis=0, keepdims=True)
-        done.append((win, (kv_w * z).sum(axis=0, dtype=np.float32)))
-    if not done:
-        return
-    rows = np.ascontiguousarray(np.stack([v for _, v in done]))
-    ops.rmsnorm(rows, rows, norm_w, eps)
-    wins = np.array([w for w, _ in done], dtype=np.int32)
-    t = rows[:, None, :]
-    rope_tail(t, wins * np.int32(m), a)
-    entries[wins] = t[:, 0]
+            kv_w, g_w = k_all, g_all
+        else:  # previous window's Ca half, this window's Cb half; window 0 has no Ca
+            skip = w_lo - first // m  # 1: the timeline starts one window before w_lo
+            cur_k, cur_g = k_all[skip:, :, D:], g_all[skip:, :, D:]
+            prev_k, prev_g = k_all[:-1, :, :D], g_all[:-1, :, :D]
+            if not skip:  # window 0 first: its Ca half gets softmax weight 0
+                prev_k = np.concatenate([np.zeros((1, m, D), np.float32), prev_k])
+                prev_g = np.concatenate([np.full((1, m, D), -np.inf, np.float32), prev_g])
+            kv_w = np.concatenate([prev_k, cur_k], axis=1)
+            g_w = np.concatenate([prev_g, cur_g], axis=1)
+        z = np.exp(g_w - g_w.max(axis=1, keepdims=True)).astype(np.float32)
+        z /= z.sum(axis=1, keepdims=True)
+        rows = np.ascontiguousarray((kv_w * z).sum(axis=1, dtype=np.float32))
+        ops.rmsnorm(rows, rows, norm_w, eps)
+        wins = np.arange(w_lo, w_hi, dtype=np.int32)
+        t = rows[:, None, :]
+        rope_tail(t, wins * np.int32(m), a)
+        entries[wins] = t[:, 0]
+    # the raw rows of the last two windows stay in buf (by window parity), as token by token
+    tail = np.arange(max(pos0, end - 2 * m), end)
+    par, slot = (tail // m) % 2, tail % m
+    buf[0, par, slot] = kvx[tail - pos0]
+    buf[1, par, slot] = gx[tail - pos0] + ape[slot]
 
 
 def select(

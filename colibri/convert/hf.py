@@ -40,6 +40,9 @@ from colibri.convert.quantized import (
     SourceQuant,
     check_fp8_scale,
     e4m3_to_f32,
+    e8m0_to_f32,
+    fp4_dequantize,
+    fp4_to_ggml,
     fp8_dequantize,
     mxfp4_dequantize,
     mxfp4_to_ggml,
@@ -52,15 +55,20 @@ from colibri.models.family import Family
 from colibri.models.spec import ModelSpec, dense_tensors, f32_tensors
 from colibri.registry import family, model_spec
 
-# safetensors dtype -> numpy dtype of the stored elements; F8_E4M3 (FP8 checkpoints) and U8
-# (gpt-oss MXFP4 blocks / scales) are kept as bytes (colibri.convert.quantized decodes them)
+# safetensors dtype -> numpy dtype of the stored elements; F8_E4M3 (FP8 checkpoints), U8
+# (gpt-oss MXFP4 blocks / scales), F8_E8M0 (UE8M0 scales) and I8 / F4 (DeepSeek-V4's
+# FP4-packed experts) are kept as bytes (colibri.convert.quantized decodes them)
 _DTYPES = {
     "BF16": np.uint16,
     "F16": np.float16,
     "F32": np.float32,
     "F8_E4M3": np.uint8,
+    "F8_E8M0": np.uint8,
     "U8": np.uint8,
+    "I8": np.int8,
+    "F4": np.uint8,  # float4_e2m1fn_x2, two E2M1 a byte (read as [..., last / 2] bytes)
     "I64": np.int64,  # only DeepSeek-V4's tid2eid tables (_INT_NAMES): ids, exact in f32
+    "I32": np.int32,
 }
 _INT_NAMES = re.compile(r"\.tid2eid$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -127,11 +135,15 @@ class Checkpoint:
                 if weight_map and weight_map.get(name) != fname:
                     raise ConversionError(f"{path}: tensor {name!r} is not in {index.name}")
                 dtype, shape = info["dtype"], tuple(info["shape"])
-                if dtype not in _DTYPES or (dtype == "I64" and not _INT_NAMES.search(name)):
+                if dtype not in _DTYPES or (
+                    dtype in ("I64", "I32") and not _INT_NAMES.search(name)
+                ):
                     raise ConversionError(
                         f"{path}: tensor {name!r} has dtype {dtype}; supported: "
                         + ", ".join(_DTYPES)
                     )
+                if dtype == "F4":  # the bytes' shape; the values' is the logical one
+                    shape = (*shape[:-1], shape[-1] // 2) if shape else shape
                 b, e = info["data_offsets"]
                 if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize:
                     raise ConversionError(f"{path}: tensor {name!r}: data size != {shape}")
@@ -139,9 +151,42 @@ class Checkpoint:
         for name, fname in weight_map.items():
             if name not in self.meta:
                 raise ConversionError(f"{src / fname}: tensor {name!r} listed in index missing")
+        self.logical: dict[str, tuple[int, ...]] = {}  # packed tensors' unpacked shapes
+        self.saved_as: dict[str, str] = {}  # name read -> the file's own (Family.source_renames)
+
+    def called(self, name: str) -> str:
+        """`name` quoted for a message, with the file's own spelling when it was renamed."""
+        saved = self.saved_as.get(name)
+        return repr(name) if saved is None else f"{saved!r} (read as {name!r})"
+
+    def rename(self, fam: Family) -> None:
+        """Read the tensors under `fam`'s names for them (Family.source_renames): the hub's
+        own spelling onto the one save_pretrained writes; names mapped to "" are dropped
+        with a note. Raises ConversionError when two tensors map to one name."""
+        if not fam.source_renames:
+            return
+        meta, dropped = {}, {}
+        for name, info in self.meta.items():
+            new = fam.source_name(name)
+            if not new:
+                key = ".".join(name.split(".")[:1])
+                dropped[key] = dropped.get(key, 0) + 1
+                continue
+            if new in meta:
+                raise ConversionError(
+                    f"{self.src}: tensors {name!r} and another both read as {new!r}"
+                )
+            meta[new] = info
+            if new != name:
+                self.saved_as[new] = name
+        self.meta = meta
+        if dropped:
+            what = ", ".join(f"{k}.* ({n})" for k, n in sorted(dropped.items()))
+            print(f"note: {self.src}: dropped {what} (not used for generation)", file=sys.stderr)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.meta[name][2]
+        """The tensor's shape; a packed one's unpacked (FP4 [out, in], not [out, in / 2])."""
+        return self.logical.get(name, self.meta[name][2])
 
     def nbytes(self, name: str) -> int:
         _, dtype, shape, _ = self.meta[name]
@@ -170,13 +215,16 @@ class Checkpoint:
     def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """float32 [count, *shape[1:]]: rows first..first+count of the leading dim (default
         the whole tensor), read with one pread and widened exactly (F8_E4M3: the e4m3
-        values, without their block scales; see colibri.convert.quantized)."""
+        values, without their block scales; F8_E8M0: 2^(b - 127); see
+        colibri.convert.quantized)."""
         a = self.read_raw(name, first, count)
         dtype = self.meta[name][1]
         if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
         if dtype == "F8_E4M3":
             return e4m3_to_f32(a)
+        if dtype == "F8_E8M0":
+            return e8m0_to_f32(a)
         return a.astype(np.float32)
 
 
@@ -299,7 +347,7 @@ def plan_experts(
 def _check_shape(ck: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
     if ck.shape(name) != shape:
         raise ConversionError(
-            f"{ck.meta[name][0]}: tensor {name!r} has shape {list(ck.shape(name))}, "
+            f"{ck.meta[name][0]}: tensor {ck.called(name)} has shape {list(ck.shape(name))}, "
             f"config.json implies {list(shape)}"
         )
 
@@ -337,7 +385,7 @@ def plan_dense(
         layer = _layer_of(stored[name])
         top = ("model.", "lm_head.", f"{spec.lm_head}.")  # DeepSeek-V4's is `head`
         if layer >= n + mtp or (layer < 0 and not stored[name].startswith(top)):
-            raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {name!r}")
+            raise ConversionError(f"{ck.meta[name][0]}: unexpected tensor {ck.called(name)}")
         if layer >= n:
             continue  # multi-token-prediction layers: not used for generation
         qt = dense_qtype(stored[name], ck.shape(name), dense_quant, f32)
@@ -345,10 +393,10 @@ def plan_dense(
     shapes = {store: shape for _, store, _, shape in out}
     for name, shape in dense_tensors(spec).items():
         if name not in shapes:
-            raise ConversionError(f"{ck.src}: missing tensor {name!r}")
+            raise ConversionError(f"{ck.src}: missing tensor {ck.called(name)}")
         if shapes[name] != shape:
             raise ConversionError(
-                f"{ck.src}: tensor {name!r} has shape {list(shapes[name])}, config.json "
+                f"{ck.src}: tensor {ck.called(name)} has shape {list(shapes[name])}, config.json "
                 f"implies {list(shape)}"
             )
     return out
@@ -357,67 +405,126 @@ def plan_dense(
 class SourceWeights:
     """A checkpoint's weights decoded from the source's own quantization (config.json
     `quantization_config`, colibri.convert.quantized): FP8 `X.weight` + `X.weight_scale_inv`
-    pairs dequantized exactly or kept as store `fp8` rows; everything else as Checkpoint.read.
+    pairs dequantized exactly or kept as store `fp8` rows; DeepSeek-V4's FP4 experts (I8
+    `X.weight` [out, in / 2] with expert_dtype "fp4", or safetensors F4 [out, in], the same
+    bytes; + UE8M0 `X.weight_scale_inv` [out, in / 32]) dequantized exactly or kept as store
+    `mxfp4` blocks; everything else as Checkpoint.read.
 
-    Raises ConversionError (naming the tensor) for an F8_E4M3 weight without its scales, a
-    scale without its F8_E4M3 weight or of the wrong grid, FP8 / U8 tensors the config's
-    quantization does not explain."""
+    Raises ConversionError (naming the tensor) for an F8_E4M3 / I8 weight without its scales,
+    a scale without its weight or of the wrong grid or dtype, FP8 / FP4 / U8 tensors the
+    config's quantization does not explain."""
 
     def __init__(self, ck: Checkpoint, sq: SourceQuant | None) -> None:
         self.ck, self.sq = ck, sq
-        self.scale_of: dict[str, str] = {}  # FP8 weight name -> its weight_scale_inv name
+        self.scale_of: dict[str, str] = {}  # FP8 / FP4 weight name -> its scale's name
+        self.fp4: set[str] = set()  # the FP4 weights among them
         method = sq.method if sq else None
         for name in ck.meta:
             if not name.endswith(".weight_scale_inv"):
                 continue
             weight = name[: -len("_scale_inv")]
-            if weight not in ck.meta or ck.dtype(weight) != "F8_E4M3":
-                raise ConversionError(f"{ck.meta[name][0]}: {name!r} has no F8_E4M3 {weight!r}")
+            wdt = ck.dtype(weight) if weight in ck.meta else None
+            if wdt not in ("F8_E4M3", "I8", "F4"):
+                raise ConversionError(
+                    f"{ck.meta[name][0]}: {ck.called(name)} has no F8_E4M3 (or FP4-packed I8) "
+                    f"{ck.called(weight)}"
+                )
             if sq is None or method != "fp8":
                 raise ConversionError(
-                    f"{ck.src}: tensor {weight!r} is FP8 but config.json has no "
+                    f"{ck.src}: tensor {ck.called(weight)} is "
+                    f"{'FP8' if wdt == 'F8_E4M3' else 'FP4'} but config.json has no "
                     "quantization_config with quant_method 'fp8'"
                 )
-            check_fp8_scale(weight, ck.shape(weight), ck.shape(name), sq.block)
+            sdt = ck.dtype(name)
+            if sdt not in ("F32", "BF16", "F8_E8M0", "U8"):
+                raise ConversionError(
+                    f"{ck.meta[name][0]}: scale {ck.called(name)} has dtype {sdt} (need F32, "
+                    "BF16 or UE8M0 bytes F8_E8M0 / U8)"
+                )
+            if wdt in ("I8", "F4"):
+                rows, half = ck.meta[weight][2] if len(ck.meta[weight][2]) == 2 else (0, 0)
+                if (wdt == "I8" and sq.expert_dtype != "fp4") or sdt not in ("F8_E8M0", "U8"):
+                    raise ConversionError(
+                        f"{ck.meta[weight][0]}: tensor {ck.called(weight)} is {wdt} (FP4-packed)"
+                        "; that needs expert_dtype 'fp4' in config.json and UE8M0 scales, got "
+                        f"expert_dtype {sq.expert_dtype!r} and a {sdt} scale"
+                    )
+                if not rows or half % 16 or ck.shape(name) != (rows, half // 16):
+                    raise ConversionError(
+                        f"{ck.meta[name][0]}: FP4 tensor {ck.called(weight)} "
+                        f"{list(ck.meta[weight][2])} needs a scale of [{rows}, {half // 16}] "
+                        "(one per 32 weights), "
+                        f"{ck.called(name)} is {list(ck.shape(name))}"
+                    )
+                ck.logical[weight] = (rows, 2 * half)
+                self.fp4.add(weight)
+            else:
+                check_fp8_scale(weight, ck.shape(weight), ck.shape(name), sq.block)
             self.scale_of[weight] = name
+        self.aux = set(self.scale_of.values())  # tensors read only as part of another
         for name in ck.meta:
             dtype = ck.dtype(name)
-            if dtype == "F8_E4M3" and name not in self.scale_of:
+            if dtype in ("F8_E4M3", "I8", "F4") and name not in self.scale_of:
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: F8_E4M3 tensor {name!r} has no {name}_scale_inv"
+                    f"{ck.meta[name][0]}: {dtype} tensor {ck.called(name)} has no weight_scale_inv "
+                    "(hub spelling: .scale)"
                 )
-            if dtype == "U8" and (method != "mxfp4" or not name.endswith(("_blocks", "_scales"))):
+            if (
+                dtype in ("U8", "F8_E8M0")
+                and name not in self.aux
+                and (method != "mxfp4" or not name.endswith(("_blocks", "_scales")))
+            ):
                 raise ConversionError(
-                    f"{ck.meta[name][0]}: tensor {name!r} is U8; only MXFP4 experts' _blocks / "
-                    "_scales (quantization_config quant_method 'mxfp4') are"
+                    f"{ck.meta[name][0]}: tensor {ck.called(name)} is {dtype}; only MXFP4 experts' "
+                    "_blocks / _scales (quantization_config quant_method 'mxfp4') and FP8 / "
+                    "FP4 weights' scales are"
                 )
-        self.aux = set(self.scale_of.values())  # tensors read only as part of another
 
     def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
-        """float32 rows first..first+count of `name` (FP8: e4m3 x block scale, exactly)."""
+        """float32 rows first..first+count of `name` (FP8: e4m3 x block scale; FP4: E2M1 x
+        its group's UE8M0 scale; exactly)."""
         if name not in self.scale_of:
             return self.ck.read(name, first, count)
         assert self.sq is not None
-        scale = self.ck.read(self.scale_of[name])
+        if name in self.fp4:
+            return fp4_dequantize(
+                self.ck.read_raw(name, first, count),
+                self.ck.read_raw(self.scale_of[name], first, count),
+            )
+        scale = self.scale(name)
         return fp8_dequantize(self.ck.read_raw(name, first, count), scale, self.sq.block, first)
+
+    def scale(self, name: str) -> np.ndarray:
+        """float32 block scales of FP8 / FP4 weight `name` (UE8M0 bytes decoded exactly)."""
+        scale = self.scale_of[name]
+        if self.ck.dtype(scale) in ("F8_E8M0", "U8"):
+            return e8m0_to_f32(self.ck.read_raw(scale))
+        return self.ck.read(scale)
 
     def keeps_fp8(self, name: str) -> bool:
         """Whether `name` is FP8 with 128x128 blocks, i.e. its bytes fit the store's fp8."""
-        return name in self.scale_of and self.sq is not None and self.sq.block == (128, 128)
+        return (
+            name in self.scale_of
+            and name not in self.fp4
+            and self.sq is not None
+            and self.sq.block == (128, 128)
+        )
 
     def fp8_rows(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """The store's fp8 rows (io.format.fp8_rows) of rows first.. (a multiple of 128) of
         FP8 tensor `name`: its e4m3 bytes and block scales, unchanged."""
         w = self.ck.read_raw(name, first, count)
         b = FP8_STORE_BLOCK
-        scale = self.ck.read(self.scale_of[name])[first // b : first // b + -(-len(w) // b)]
+        scale = self.scale(name)[first // b : first // b + -(-len(w) // b)]
         return fp8_rows(w, scale)
 
     def stored(self, name: str, qtype: str) -> np.ndarray:
         """Tensor `name` in store type `qtype`: kept byte for byte when the source already is
-        in it (fp8), else quantized from the exactly decoded float32 values."""
+        in it (fp8; FP4 as mxfp4), else quantized from the exactly decoded float32 values."""
         if qtype == "fp8" and self.keeps_fp8(name):
             return self.fp8_rows(name)
+        if qtype == "mxfp4" and name in self.fp4:
+            return fp4_to_ggml(self.ck.read_raw(name), self.ck.read_raw(self.scale_of[name]))
         x = self.read(name)
         return x if qtype == "f32" else quantize(x, qtype)
 
@@ -614,6 +721,7 @@ def convert_hf(
     except ConfigError as exc:
         raise ConversionError(str(exc)) from None
     ck = Checkpoint(src)
+    ck.rename(fam)
     names = text_names(ck, fam)
     n_layers = text_view(cfg)["num_hidden_layers"]
     top = max((_layer_of(n) for n in names.values()), default=-1)

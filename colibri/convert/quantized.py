@@ -15,6 +15,19 @@ convert_moe_packed_tensors). GGML's block_mxfp4 (the store's `mxfp4`) is the sca
 16 bytes whose byte j holds weight j (low) and weight j + 16 (high), with the same E8M0 byte
 (ggml's kvalues_mxfp4 are the doubled E2M1 values, its scale 2^(e - 128)); `mxfp4_to_ggml`
 repacks the nibbles, losslessly (llama.cpp's convert_hf_to_gguf.py does the same for gpt-oss).
+
+DeepSeek-V4 (the hub's deepseek-ai/DeepSeek-V4-Flash / -Pro, in the inference repo's own
+names: colibri.models.deepseek_v4 SOURCE_RENAMES): `quant_method` "fp8" with
+`weight_block_size` [128, 128] and `scale_fmt` "ue8m0", the routed experts FP4 by
+`expert_dtype` "fp4" (config.json top level, or inside quantization_config as transformers
+5.24 moves it). Each quantized linear's scale is `X.scale` (transformers' FP8 quantizer
+renames it `X.weight_scale_inv`), UE8M0 (safetensors F8_E8M0, one byte 2^(b - 127); 255 is
+NaN) where V3's were f32. An FP4 expert weight of logical [out, in] is I8 [out, in / 2], byte
+j holding weight 2j in its low nibble and 2j + 1 in its high nibble (E2M1), with a UE8M0
+scale per 32 weights of a row, [out, in / 32] (the DeepSeek-V4 inference model.py's Linear:
+float4_e2m1fn_x2 [out, in // 2], float8_e8m0fnu [out, in // 32]; transformers'
+finegrained_fp8 Fp8Dequantize._unpack_fp4 and FP8Experts). Each 16 bytes of a row are so
+exactly one gpt-oss MXFP4 block with its scale: `fp4_to_ggml` reuses mxfp4_to_ggml, lossless.
 """
 
 from __future__ import annotations
@@ -38,11 +51,14 @@ FP4_E2M1 = np.array(
 @dataclass(frozen=True)
 class SourceQuant:
     """A checkpoint's `quantization_config`, validated: `method` "fp8" (with `block` = the
-    weight_block_size (rows, cols)) or "mxfp4" (with `not_converted` = modules_to_not_convert)."""
+    weight_block_size (rows, cols), its `scale_fmt` and the experts' `expert_dtype`) or
+    "mxfp4" (with `not_converted` = modules_to_not_convert)."""
 
     method: str
     block: tuple[int, int] = (0, 0)
     not_converted: tuple[str, ...] = ()
+    scale_fmt: str = "float"  # fp8: "float" (f32 / bf16 scales) or "ue8m0" (E8M0 bytes)
+    expert_dtype: str = "fp8"  # fp8: the routed experts' format, "fp8" or "fp4" (DeepSeek-V4)
 
 
 def source_quant(cfg: dict[str, Any], where: Path | str) -> SourceQuant | None:
@@ -84,7 +100,20 @@ def source_quant(cfg: dict[str, Any], where: Path | str) -> SourceQuant | None:
             f"{field}.weight_block_size {block!r} is not supported (need [rows, cols] block "
             "scales, e.g. [128, 128]; per-tensor or per-channel FP8 is not read)"
         )
-    return SourceQuant("fp8", block=(int(block[0]), int(block[1])))
+    scale_fmt = qc.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ConversionError(f"{field}.scale_fmt {scale_fmt!r} is not supported (float, ue8m0)")
+    expert_dtype = qc.get("expert_dtype", cfg.get("expert_dtype")) or "fp8"
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ConversionError(f"{field}.expert_dtype {expert_dtype!r} is not supported (fp8, fp4)")
+    return SourceQuant("fp8", (int(block[0]), int(block[1])), (), scale_fmt, expert_dtype)
+
+
+def e8m0_to_f32(b: np.ndarray) -> np.ndarray:
+    """UE8M0 scale bytes (uint8, any shape) -> float32 2^(b - 127), exactly (255: NaN)."""
+    b = np.asarray(b, np.uint8)
+    out = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
+    return np.where(b == 255, np.float32(np.nan), out)
 
 
 def e4m3_to_f32(b: np.ndarray) -> np.ndarray:
@@ -140,6 +169,31 @@ def mxfp4_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     qs = w[..., :16] | (w[..., 16:] << 4)
     out = np.concatenate([np.asarray(scales, np.uint8)[..., None], qs], axis=-1)
     return np.ascontiguousarray(out.reshape(*blocks.shape[:-2], -1))
+
+
+def _fp4_blocks(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    packed = np.asarray(packed).view(np.uint8)
+    rows, half = packed.shape
+    if half % 16 or np.shape(scales) != (rows, half // 16):
+        raise ConversionError(
+            f"FP4 weight of {rows} rows x {2 * half} values needs scales [{rows}, "
+            f"{2 * half // 32}], got {list(np.shape(scales))}"
+        )
+    return packed.reshape(rows, half // 16, 16), np.asarray(scales).view(np.uint8)
+
+
+def fp4_to_ggml(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """DeepSeek-V4 FP4 `packed` (int8 / uint8 [out, in / 2]) and UE8M0 `scales` (uint8
+    [out, in / 32]) -> GGML block_mxfp4 rows u8 [out, in / 32 * 17], losslessly (16 bytes of a
+    row are one hub MXFP4 block: mxfp4_to_ggml). Raises ConversionError for a scale grid that
+    is not one byte per 32 weights of each row."""
+    return mxfp4_to_ggml(*_fp4_blocks(packed, scales))
+
+
+def fp4_dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """DeepSeek-V4 FP4 `packed` [out, in / 2] with UE8M0 `scales` [out, in / 32] -> float32
+    [out, in], exactly (E2M1 value times 2^(scale - 127), as transformers' Fp8Dequantize)."""
+    return mxfp4_dequantize(*_fp4_blocks(packed, scales))
 
 
 def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -200,8 +200,8 @@ class ExpertLayout:
 
 # bytes per element of every safetensors dtype (the format's own list)
 _ST_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "U16": 2,
+    "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
 }  # fmt: skip
 
 
@@ -247,6 +247,10 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         ):
             raise StoreError(f"{w}: data_offsets {offsets!r} is not [begin, end] with begin <= end")
         want = int(np.prod(shape, dtype=object)) * _ST_ITEMSIZE[dtype]
+        if dtype == "F4":  # float4_e2m1fn_x2: two values a byte along the last dim
+            if shape and shape[-1] % 2:
+                raise StoreError(f"{w}: F4 shape {shape} has an odd last dim")
+            want //= 2
         if offsets[1] - offsets[0] != want:
             raise StoreError(
                 f"{w}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "

@@ -16,7 +16,11 @@ expert whatever n_shared_experts says, no dense layers. Multi-token-prediction l
 
 Stored names are the checkpoint's original spelling, which transformers' save_pretrained writes
 (`model.layers.L.attn.wq_a`, `...ffn.experts.E.w1`, `head.weight`); `renames` maps
-transformers' own module names onto it.
+transformers' own module names onto it. The hub checkpoint (deepseek-ai/DeepSeek-V4-Flash,
+-Pro) is in the inference repo's spelling, without the `model.` prefix (`layers.L.attn.wq_a`,
+`embed.weight`, `norm.weight`, `hc_head_fn`, `mtp.K.*`) and with each quantized linear's scale
+as `X.scale`: SOURCE_RENAMES reads it so (transformers 5.24 conversion_mapping "deepseek_v4"
+and its FP8 quantizer's `.scale` -> `.weight_scale_inv`; the formats: convert.quantized).
 """
 
 from __future__ import annotations
@@ -309,6 +313,20 @@ RENAMES = (
     (r"^lm_head\.weight$", "head.weight"),
 )
 
+# the hub (inference repo) spelling -> the names read (Family.source_renames): transformers
+# 5.24 conversion_mapping "deepseek_v4" leaf renames (^embed.weight, ^head.weight, ^hc_head_*)
+# under the `model.` prefix its base model adds, and quantizer_finegrained_fp8's
+# `(.+).scale` -> `.weight_scale_inv`; the multi-token-prediction module `mtp.K.*` is dropped
+# (first, and only on hub names: transformers 5's own layout has `model.layers.L.attn_hc.scale`)
+SOURCE_RENAMES = (
+    (r"^(?!model\.)(.+)\.scale$", r"\1.weight_scale_inv"),
+    (r"^layers\.", "model.layers."),
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"^mtp\..*", ""),
+)
+
 _TINY = dict(
     num_key_value_heads=1,
     head_dim=32,
@@ -368,6 +386,7 @@ FAMILY = Family(
         fused="model.layers.{layer}.mlp.experts",
     ),
     renames=RENAMES,
+    source_renames=SOURCE_RENAMES,
     test_configs={
         # 64-token runs: 8-token window, CSA every 4 tokens (16 entries, the indexer keeps 4),
         # HCA every 8; the clamp at 0.5 cuts a good part of the gate / up pre-activations

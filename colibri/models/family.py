@@ -136,6 +136,10 @@ class Family:
     `text_config` (the transformers config class whose defaults apply), when the family's
     config.json keeps the language model under `text_config`.
     gguf: the llama.cpp architecture, or None (no GGUF export / import).
+    source_renames: (regex, replacement) applied in order to every tensor name of a
+    checkpoint before anything else reads it: the hub's own (inference repo) spelling onto
+    the one save_pretrained writes, e.g. DeepSeek-V4's `layers.0.attn.wq_a.weight` ->
+    `model.layers.0.attn.wq_a.weight`; a name that becomes "" is dropped (with a note).
     test_configs: tiny configs for the tests, case name -> config overrides on top of the
     tests' common dims (hidden 64, 4 heads, 3 layers...); the case named `model_type` is the
     family's base case.
@@ -153,6 +157,7 @@ class Family:
     text_model_type: str | None = None
     gguf: GGUFArch | None = None
     test_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source_renames: tuple[tuple[str, str], ...] = ()
 
     def resolve_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """config.json as the family's model_spec reads it: the language model's
@@ -171,6 +176,13 @@ class Family:
         if "rope_parameters" in self.defaults:
             out["rope_parameters"] = _rope_parameters(config, self.defaults["rope_parameters"])
         return out
+
+    def source_name(self, name: str) -> str:
+        """The name checkpoint tensor `name` is read under ("" = dropped; see
+        `source_renames`)."""
+        for pattern, repl in self.source_renames:
+            name = re.sub(pattern, repl, name)
+        return name
 
     def rename(self, name: str) -> str:
         """The stored name of transformers-5 dense tensor `name` (see `renames`)."""
