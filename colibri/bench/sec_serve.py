@@ -4,8 +4,10 @@ next to llama-server --parallel 8 on the same GGUF.
 A server child process per scenario; each client is a thread streaming /v1/completions (SSE)
 requests of a fixed length (ignore_eos, greedy), distinct token prompts. Per concurrency:
 aggregate generated tok/s (tokens the clients received / wall time), p50 and p99 inter-token
-latency (gaps between a stream's consecutive tokens), mean TTFT, and (colibri) expert bytes
-read per generated token (from /metrics). The 1-client row is the "one after another" baseline
+latency (gaps between a stream's consecutive tokens), mean TTFT, the server's CPU time per
+generated token (/proc; contention on a shared machine does not inflate it, so its ratio shows
+what batching saves in compute), and (colibri) expert bytes read per generated token and the
+hit rate (from /metrics). The 1-client row is the "one after another" baseline
 the issue's targets divide by. A load test stops sending new requests after TIME_CAP seconds
 (a thrashing peer): its row is marked capped and counts the tokens received until then.
 Scenarios:
@@ -122,6 +124,17 @@ class HttpServer:
         models = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())
         self.model = (models.get("data") or [{"id": "model"}])[0]["id"]
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, its threads and waited-for children) the server process
+        has used so far, from /proc/PID/stat; None where there is no /proc. On a machine
+        shared with other jobs this is the figure that contention does not inflate."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def metric(self, name: str) -> float | None:
         """A Prometheus counter of /metrics (None when the server has none)."""
         try:
@@ -209,6 +222,7 @@ def load_test(srv: HttpServer, clients: int, requests: int, prompt_len: int, tok
     """`clients` threads, each sending `requests` streaming requests in turn (no new request
     after `cap` seconds; a request still running then may take another `cap`)."""
     b0 = srv.metric("colibri_expert_bytes_read_total")
+    c0 = srv.cpu_seconds()
     h0, m0 = srv.metric("colibri_expert_hits_total"), srv.metric("colibri_expert_misses_total")
     gaps: list[float] = []
     ttfts: list[float] = []
@@ -238,6 +252,7 @@ def load_test(srv: HttpServer, clients: int, requests: int, prompt_len: int, tok
         list(pool.map(client, range(clients)))
     wall = time.perf_counter() - t0
     generated = received[0]
+    c1 = srv.cpu_seconds()
     b1 = srv.metric("colibri_expert_bytes_read_total")
     read = None if b0 is None or b1 is None else b1 - b0
     h1, m1 = srv.metric("colibri_expert_hits_total"), srv.metric("colibri_expert_misses_total")
@@ -250,6 +265,7 @@ def load_test(srv: HttpServer, clients: int, requests: int, prompt_len: int, tok
         "ttft_mean_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         "bytes_read_per_token": None if read is None else read / max(1, generated),
         "hit_rate": (h1 - h0) / gets if gets else None,
+        "cpu_ms_per_token": None if None in (c0, c1) else 1000 * (c1 - c0) / max(1, generated),
         "generated": generated,
         "seconds": wall,
         "capped": capped[0],
@@ -442,11 +458,12 @@ def run(ctx: Context) -> Section:
 
     md = [table(
         ["scenario", "clients", "tok/s", "× 1 client", "ITL p50 ms", "ITL p99 ms",
-         "TTFT ms", "MiB read / token", "hit rate", "capped"],
+         "TTFT ms", "MiB read / token", "hit rate", "CPU ms / token", "capped"],
         [[r["scenario"], r["clients"], r["tok_s"], r["tok_s"] / base(r),
           r["itl_p50_ms"], r["itl_p99_ms"], r["ttft_mean_ms"],
           None if r["bytes_read_per_token"] is None else r["bytes_read_per_token"] / 2**20,
-          r.get("hit_rate"), "yes" if r["capped"] else ""] for r in rows],
+          r.get("hit_rate"), r.get("cpu_ms_per_token"), "yes" if r["capped"] else ""]
+         for r in rows],
     )]  # fmt: skip
     if limits:
         md.append(
