@@ -32,3 +32,36 @@ def test_routing_sharing_counts_reads_of_the_union():
         assert small["batched_reads_per_token"] <= min(2 * n, 8) * ex.shape[1] / n
     one = [r for r in rows if r["streams"] == 1]
     assert all(r["serial_reads_per_token"] == r["batched_reads_per_token"] for r in one)
+
+
+def test_cpu_seconds_reads_the_server_process_cpu_time():
+    """HttpServer.cpu_seconds (the serve rows' CPU ms / token) against the child's own
+    time.process_time() after it burns ~0.3 s of CPU, then sleeps."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        srv = object.__new__(sec_serve.HttpServer)  # no server: only the process handle
+        srv.proc = proc
+        own = float(proc.stdout.readline())
+        measured = srv.cpu_seconds()
+        assert measured == pytest.approx(own, abs=0.05)  # clock ticks are 10 ms
+        assert own >= 0.3
+    finally:
+        proc.kill()
+        proc.wait()
+    assert srv.cpu_seconds() is None  # reaped: no /proc entry
+
+
+def test_budget_label():
+    assert [sec_serve.budget_label(f) for f in (0.25, 0.75, 0.5, 1 / 16)] == [
+        "1/4", "3/4", "1/2", "1/16",
+    ]  # fmt: skip

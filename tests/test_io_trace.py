@@ -218,3 +218,29 @@ def test_synthetic_store_records(tmp_path):
         assert xxhash.xxh3_64_intdigest(data[r.offset : r.offset + r.nbytes]) == r.xxh3
     with pytest.raises(KeyError):
         s.record(2, 0)
+
+
+def test_lookahead_spans_policy_to_belady():
+    """Told no future, simulate is the policy itself; told the whole future, it is Belady's
+    MIN (the brute-force optimum); in between, a small trace of several layers."""
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        seq = [int(x) for x in rng.integers(0, 5, 14)]
+        steps = [(i, 0, [k]) for i, k in enumerate(seq)]
+        cap = 2 + trial % 2
+        best = brute_force_best(tuple(seq), cap)
+        assert simulate(steps, cap, "nextuse", lookahead=len(steps))[0] == best
+        assert simulate(steps, cap, "lru", lookahead=len(steps))[0] == best
+    steps = [
+        (t, layer, sorted({int(x) for x in rng.integers(0, 6, 2)}))
+        for t in range(60)
+        for layer in range(3)
+    ]
+    for cap in (3, 6, 9):
+        belady = simulate(steps, cap, "belady")
+        assert simulate(steps, cap, "nextuse", lookahead=len(steps)) == belady
+        assert simulate(steps, cap, "nextuse", lookahead=0) == simulate(steps, cap, "nextuse")
+        for n in (1, 3, 12):
+            assert simulate(steps, cap, "nextuse", lookahead=n)[0] <= belady[0]
+    with pytest.raises(ValueError, match="lookahead"):
+        simulate(steps, 3, "lru", lookahead=-1)

@@ -20,8 +20,10 @@ Policies (victim = least valuable evictable entry; lookup is a dict, O(1)):
   nextuse (default) — the record whose next use is estimated farthest: layer distance in the
          cycle over layers plus the expected extra cycles, from a short- and a long-halflife
          routing frequency (NextUsePolicy). Fraction of Belady's hits at half the records:
-         0.78 on the real Mixtral-8x7B trace (lfru 0.74, lru 0.70), 0.93 on the demo model's
-         (lfru 0.92); best of the four at every budget 1/16..3/4 on both.
+         0.78 on the real Mixtral-8x7B trace (lfru 0.74, lru 0.70), 0.94 on the demo model's
+         (lfru 0.95), 0.98 on the synthetic OLMoE store's (lru 0.98); best of the four at every
+         budget 1/16..3/4 on the Mixtral trace, not on requests with disjoint experts run one
+         after another, where LRU wins at 1/8 and 1/4 (README, Benchmarks, "Cache policy").
   lru  — least recently used (OrderedDict; O(1) eviction).
   lfu  — fewest demand accesses since the cache was built, counts kept across evictions
          ("perfect LFU": expert popularity is stable per model), ties by recency.

@@ -97,32 +97,69 @@ class SyntheticStore:
 
 
 # ---- offline ---------------------------------------------------------------------------
-def simulate(steps: list[Step], capacity: int, policy: str, start: int = 0) -> tuple[int, int]:
+def simulate(
+    steps: list[Step], capacity: int, policy: str, start: int = 0, lookahead: int = 0
+) -> tuple[int, int]:
     """(hits, misses) of `policy` ("lru" | "lfu" | "lfru" | "nextuse" | "belady") with
     `capacity` records, the current layer's experts protected from eviction. Only
-    steps[start:] are counted (the earlier ones warm the cache, as replay's warmup_tokens)."""
+    steps[start:] are counted (the earlier ones warm the cache, as replay's warmup_tokens).
+
+    lookahead: steps (one step = one layer of one token) of the exact future the policy is
+    told: a resident record whose next use falls within the next `lookahead` steps is evicted
+    only when every other candidate is one too (then the one used farthest away goes, as in
+    Belady's MIN); the others are ranked by `policy`. 0 is the online policy itself; at least
+    the trace's length, it is Belady's MIN. This measures how much of the future a policy
+    would have to know to come within a fraction of the optimum (a router predicting the
+    next layer knows 1 step)."""
     if policy == "belady":
         return _simulate_belady(steps, capacity, start)
+    if lookahead < 0:
+        raise ValueError(f"lookahead {lookahead} must be >= 0")
+    nxt = _next_uses(steps) if lookahead else None
     pol = make_policy(policy, capacity)
-    resident: set = set()
+    resident: dict = {}  # key -> the step of its next use (when lookahead is on)
     hits = misses = 0
     for i, (_, layer, experts) in enumerate(steps):
         now = {(layer, e) for e in experts}
         pol.visit(layer)  # as ExpertCache.request does
-        for e in experts:
+        for j, e in enumerate(experts):
             key = (layer, e)
             pol.access(key)
             if key in resident:
                 hits += i >= start
-                continue
-            misses += i >= start
-            if len(resident) >= capacity:
-                victim = pol.victim(lambda k, now=now: k in now)
-                pol.remove(victim)
-                resident.discard(victim)
-            resident.add(key)
-            pol.insert(key)
+            else:
+                misses += i >= start
+                if len(resident) >= capacity:
+                    victim = _victim(pol, resident, now, i + lookahead if nxt else -1)
+                    pol.remove(victim)
+                    del resident[victim]
+                pol.insert(key)
+            resident[key] = nxt[i][j] if nxt else 0
     return hits, misses
+
+
+def _next_uses(steps: list[Step]) -> list[list[int]]:
+    """For each step and each of its experts, the index of the step using it next."""
+    out: list[list[int]] = [[]] * len(steps)
+    last: dict = {}
+    for i in range(len(steps) - 1, -1, -1):
+        _, layer, experts = steps[i]
+        out[i] = [last.get((layer, e), 1 << 62) for e in experts]
+        for e in experts:
+            last[(layer, e)] = i
+    return out
+
+
+def _victim(pol: Any, resident: dict, now: set, horizon: int) -> Any:
+    """The policy's victim among records not used within `horizon` (a step index; -1: no
+    lookahead), else the known record used farthest away."""
+    if horizon < 0:
+        return pol.victim(lambda k: k in now)
+    known = {k for k, n in resident.items() if n <= horizon}
+    victim = pol.victim(lambda k: k in now or k in known)
+    if victim is None:
+        victim = max(known - now, key=resident.__getitem__)
+    return victim
 
 
 def _simulate_belady(steps: list[Step], capacity: int, start: int = 0) -> tuple[int, int]:
@@ -171,6 +208,23 @@ def offline_report(
             h, m = simulate(steps, cap, p)
             row[p] = h / (h + m)
             row[f"{p}/belady"] = (h / bh) if bh else 1.0
+        rows.append(row)
+    return rows
+
+
+def lookahead_report(
+    steps: list[Step], capacities: list[int], lookaheads: list[int], policy: str = "nextuse"
+) -> list[dict[str, Any]]:
+    """Per capacity: Belady's hit rate and `policy`'s fraction of it when told the exact
+    future `lookahead` steps ahead, for each lookahead (see simulate). Keys: capacity,
+    belady, and "lookahead=N" -> fraction of Belady's hits."""
+    rows = []
+    for cap in capacities:
+        bh, bm = simulate(steps, cap, "belady")
+        row: dict[str, Any] = {"capacity": cap, "belady": bh / (bh + bm)}
+        for n in lookaheads:
+            h, _ = simulate(steps, cap, policy, lookahead=n)
+            row[f"lookahead={n}"] = h / bh if bh else 1.0
         rows.append(row)
     return rows
 
