@@ -364,9 +364,10 @@ def _v4_cache_nbytes(a: AttentionSpec, n_ctx: int, itemsize: int) -> int:
 class Model:
     """Dense weights of one store, resident in RAM, and the per-layer steps.
 
-    activations: "q8_0" (Q4_0/Q8_0 weights multiply Q8_0-quantized activations, see
-    ops.matmul_q8; float weights stay f32), "q8_k" (as q8_0, but experts whose gate, up and
-    down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations) or "f32" (exact).
+    activations: "q8_0" (quantized weights multiply Q8_0-quantized activations, see
+    ops.matmul_q8; float weights stay f32), "q8_k" (the default: as q8_0, but experts whose
+    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations) or
+    "f32" (exact).
     pad: every matmul and expert FFN runs on rows padded to a multiple of `pad` (4: each
     row's result is the same in any batch; 1: no padding, fastest alone). dense=False loads no
     dense tensor: only expert_ffn works (an expert owner on another machine, colibri/cluster).
@@ -378,7 +379,7 @@ class Model:
         store: Store,
         spec: ModelSpec,
         nthreads: int = 0,
-        activations: str = "q8_0",
+        activations: str = "q8_k",
         pad: int = 1,
         dense: bool = True,
     ):

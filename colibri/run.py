@@ -110,11 +110,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--activations",
         choices=("f32", "q8_0", "q8_k"),
-        default="q8_0",
-        help="q8_0 (default): quantize activations to Q8_0 and use integer dot products for "
-        "Q4_0/Q8_0 weights, as llama.cpp does (faster, slightly less exact); q8_k: as q8_0, "
-        "but Q4_K/Q5_K/Q6_K experts run on Q8_K activations (llama.cpp's K-quant GEMM; "
-        "faster prefill); f32: exact f32 activations",
+        default="q8_k",
+        help="q8_k (default): as q8_0, but Q4_K/Q5_K/Q6_K experts run on Q8_K activations "
+        "(llama.cpp's K-quant path; faster decode and prefill); q8_0: quantize activations to "
+        "Q8_0 and use integer dot products for quantized weights, as llama.cpp does (faster, "
+        "slightly less exact than f32); f32: exact f32 activations",
     )
     add_machine_options(g)
     c = p.add_argument_group("cluster (Ray; pip install 'colibri[cluster]')")

@@ -482,10 +482,78 @@ void clb_kq_mm_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int6
     free(wf);
 }
 
+/* FP8 on Q8_0: the SIMD kernels' one computation (kquants_simd.inc, kq_x_scaled / kq_fp8_dot_xs)
+ * lane by lane: xs = d_x * q_x; per 128-column block 16 lanes t_l chained by fma over the block's
+ * columns 16 k + l, acc_l = fma(t_l, scale, acc_l); then acc_l + acc_{l+8} reduced as
+ * (l + l+4) pairs, (0 + 2) + (1 + 3). */
+static float kq_fp8_dot_q8_ref(const uint8_t *row, const uint8_t *xr, int64_t cols) {
+    const int64_t ns = clb_fp8_nscales(cols);
+    const uint8_t *v = row + 4 * ns;
+    float acc[16] = {0};
+    for (int64_t b = 0; b < ns; b++) {
+        float sc, t[16] = {0};
+        memcpy(&sc, row + 4 * b, 4);
+        const int64_t c0 = b * CLB_FP8_BLOCK, c1 = c0 + CLB_FP8_BLOCK < cols ? c0 + CLB_FP8_BLOCK : cols;
+        for (int64_t c = c0; c < c1; c += 16)
+            for (int l = 0; l < 16; l++) {
+                const uint8_t *xb = xr + (c + l) / QK * sizeof(block_q8_0);
+                const float xs = clb_f16_to_f32(clb_load_u16(xb)) * (float)((const int8_t *)xb)[2 + (c + l) % QK];
+                t[l] = fmaf(clb_e4m3_to_f32(v[c + l]), xs, t[l]);
+            }
+        for (int l = 0; l < 16; l++) acc[l] = fmaf(t[l], sc, acc[l]);
+    }
+    float v8[8], t4[4];
+    for (int l = 0; l < 8; l++) v8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) t4[l] = v8[l] + v8[l + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+/* MXFP4 on Q8_0 (ggml's vec_dot_mxfp4_q8_0): the SIMD kernels' one computation (kquants_simd.inc),
+ * lane by lane: per block 8 exact int32 sums of 4 products, fma'd by d_x * e8m0_half(e) into the
+ * even-block or odd-block accumulator (8 lanes each), then even + odd and the lanes reduced as
+ * (l + l+4) pairs, (0 + 2) + (1 + 3). */
+static float kq_mxfp4_dot_q8_ref(const uint8_t *row, const uint8_t *xr, int64_t nblk) {
+    float acc[2][8] = {{0}};
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *wb = row + 17 * b, *xb = xr + 34 * b;
+        const int8_t *xs = (const int8_t *)(xb + 2);
+        int8_t wq[32];
+        for (int j = 0; j < 16; j++) {
+            wq[j] = clb_kvalues_mxfp4[wb[1 + j] & 15];
+            wq[j + 16] = clb_kvalues_mxfp4[wb[1 + j] >> 4];
+        }
+        const float d = clb_f16_to_f32(clb_load_u16(xb)) * clb_e8m0_half(wb[0]);
+        float *a = acc[b & 1];
+        for (int l = 0; l < 8; l++) {
+            int32_t p = 0;
+            for (int t = 0; t < 4; t++) p += wq[4 * l + t] * xs[4 * l + t];
+            a[l] = fmaf((float)p, d, a[l]);
+        }
+    }
+    float v[8], t[4];
+    for (int l = 0; l < 8; l++) v[l] = acc[0][l] + acc[1][l];
+    for (int l = 0; l < 4; l++) t[l] = v[l] + v[l + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
 void clb_kq_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                          const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                          int64_t r1, const float *bias, const float *scale, int accumulate) {
     const int64_t nblk = cols / QK;
+    if (qtype == CLB_QTYPE_MXFP4) {
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t i = 0; i < n; i++)
+                kq_epilogue(y, ldy, i, r, kq_mxfp4_dot_q8_ref(w + r * row_nbytes, xq + i * ldxq, nblk),
+                            bias, scale, accumulate);
+        return;
+    }
+    if (qtype == CLB_QTYPE_FP8) {
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t i = 0; i < n; i++)
+                kq_epilogue(y, ldy, i, r, kq_fp8_dot_q8_ref(w + r * row_nbytes, xq + i * ldxq, cols),
+                            bias, scale, accumulate);
+        return;
+    }
     float *wf = malloc(cols * 4 + cols + 8 * (cols / 16 + 1) + 16);
     if (!wf) {
         clb_kq_fail_rows(y, ldy, n, r0, r1);

@@ -199,10 +199,10 @@ def test_expert_ffn_q8k_matches_reference_and_is_batch_invariant(types):
 
 
 def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
-    """activations="q8_k": a Q4_K-expert store routes its experts through expert_ffn_q8k (and
-    activations="q8_0" does not), and its logits (an 8-token prefill, then decode steps,
-    teacher-forced) stay within the KL bound of test_convert_quantized's q4_k case from the f32
-    store's."""
+    """activations="q8_k" (also the engine's default): a Q4_K-expert store routes its experts
+    through expert_ffn_q8k (and activations="q8_0" does not), and its logits (an 8-token
+    prefill, then decode steps, teacher-forced) stay within the KL bound of
+    test_convert_quantized's q4_k case from the f32 store's."""
     import asyncio
 
     pytest.importorskip("torch")
@@ -219,7 +219,8 @@ def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
 
     def forced(store, activations):
         async def run():
-            async with open_engine(store, activations=activations) as engine:
+            kw = {"activations": activations} if activations else {}
+            async with open_engine(store, **kw) as engine:
                 seq = engine.new_sequence()
                 out = [await engine.forward(seq, ids[:8])]  # a prefill, then decode steps
                 for t in ids[8:-1]:
@@ -231,11 +232,12 @@ def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
     f32 = forced(convert(src, tmp_path / "f32", quant="f32", dense_quant="f32"), "f32")
     store = convert(src, tmp_path / "k", quant="q4_k", dense_quant="q8_0")
     kl = {}
-    for mode in ("q8_0", "q8_k"):
+    for mode in ("q8_0", "q8_k", None):
         calls.clear()
         q = forced(store, mode)
-        assert bool(calls) == (mode == "q8_k")
+        assert bool(calls) == (mode != "q8_0"), mode
         logp = f32 - np.logaddexp.reduce(f32, axis=1, keepdims=True)
         logq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
         kl[mode] = float((np.exp(logp) * (logp - logq)).sum(axis=1).mean())
     assert kl["q8_k"] < 0.15, kl
+    assert kl[None] == kl["q8_k"], kl

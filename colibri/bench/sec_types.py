@@ -5,12 +5,12 @@ One synthetic Mixtral-8x7B-shaped store per expert type (tools/synth_store.py: r
 shapes, fewer layers, valid random blocks of the type; dense tensors Q8_0 for every store),
 exported to GGUF with its own blocks (colibri export-gguf), so both engines multiply identical
 bytes: Q4_0, Q4_K (the bulk of a Q4_K_M), Q6_K, MXFP4, and FP8, which GGUF has no type for
-(export-gguf would write it as f32), so FP8 runs colibri alone. Q4_K and Q6_K also run with
---activations q8_k (the K-quant GEMM on Q8_K activations, llama.cpp's K-quant path). Per
-type: colibri in a child process (sec_llama's: budget >= the store, every expert loaded
-first, Q8_0 activations, then a timed prefill and greedy decode) and llama-bench (pp / tg),
-rounds interleaved over all runs. The decode bound is each store's weight bytes read per token
-at the memory bandwidth the limits section measured.
+(export-gguf would write it as f32), so FP8 runs colibri alone. colibri runs its default
+activations (Q8_K for Q4_K / Q6_K experts, llama.cpp's K-quant path; Q8_0 for the rest); Q4_K
+and Q6_K also run with --activations q8_0. Per type: colibri in a child process (sec_llama's:
+budget >= the store, every expert loaded first, then a timed prefill and greedy decode) and
+llama-bench (pp / tg), rounds interleaved over all runs. The decode bound is each store's
+weight bytes read per token at the memory bandwidth the limits section measured.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TITLE = "Decode and prefill per expert type, colibri vs llama.cpp"
 MODEL = "mixtral-8x7b"
 TYPES = ("q4_0", "q4_k", "q6_k", "mxfp4", "fp8")
 NO_GGUF = {"fp8": "GGUF has no FP8 type"}
-Q8K_TYPES = ("q4_k", "q6_k")  # also run with --activations q8_k (the K-quant GEMM)
+Q8K_TYPES = ("q4_k", "q6_k")  # Q8_K by default; also run with --activations q8_0
 # bytes per weight of each expert type (block bytes / weights), for the disk estimate
 BYTES_PER_WEIGHT = {
     "q4_0": 18 / 32,
@@ -110,8 +110,8 @@ def run(ctx: Context) -> Section:
         figures[quant] = sf | {"store": str(store), "gguf": str(gguf) if gguf else None}
         raw[quant] = {}
 
-        for act in ("q8_0", "q8_k") if quant in Q8K_TYPES else ("q8_0",):
-            eng = "colibri" if act == "q8_0" else f"colibri {act}"
+        for act in ("q8_k", "q8_0") if quant in Q8K_TYPES else ("q8_k",):
+            eng = "colibri" if act == "q8_k" else f"colibri {act}"
 
             def col(
                 quant: str = quant,
@@ -169,10 +169,10 @@ def run(ctx: Context) -> Section:
         data["types"][quant] = figures[quant] | {"runs": by, "medians": med, "bound_tok_s": bound}
         ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "—"  # noqa: E731
         peer_note = NO_GGUF.get(quant, "" if bindir else "llama.cpp not built")
-        for eng in [e for e in ("colibri", "colibri q8_k") if e in med]:
+        for eng in [e for e in ("colibri", "colibri q8_0") if e in med]:
             ce = med[eng]
             rows.append([
-                quant if eng == "colibri" else f"{quant}, --activations q8_k",
+                quant if eng == "colibri" else f"{quant}, --activations q8_0",
                 f"{sf['active_bytes_per_token'] / 1e6:.0f}", ce.get("tg"),
                 p.get("tg") if p else peer_note, ratio(ce.get("tg"), p.get("tg")),
                 ce.get("pp"), p.get("pp") if p else peer_note, ratio(ce.get("pp"), p.get("pp")),
@@ -194,8 +194,8 @@ def run(ctx: Context) -> Section:
         f"tensors Q8_0; the GGUF of each holds the same blocks (llama.cpp's K-quant / MXFP4 "
         f"repacking for its CPU kernels is its default and stays on). {ctx.threads} threads for "
         f"both engines. llama.cpp: `llama-bench -p {n_prompt} -n {n_gen} -r {reps}`; colibri: "
-        f"budget >= the store, every expert loaded first, Q8_0 activations (Q8_K for the "
-        f"experts where the row says q8_k), a {n_prompt}-token "
+        f"budget >= the store, every expert loaded first, default activations (Q8_K for "
+        f"Q4_K / Q6_K experts, Q8_0 where the row says q8_0 and for the rest), a {n_prompt}-token "
         f"prefill and {n_gen} greedy decode steps timed separately. Medians of {ctx.rounds} "
         f"rounds interleaved over every run. Bound: MB of weights read per token at "
         f"{fmt(mem_gbps)} GB/s.",

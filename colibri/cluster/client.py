@@ -358,7 +358,7 @@ def open_cluster_experts(
     popularity: Mapping[tuple[int, int], float] | None = None,
     budget: int | None = None,
     threads: int = 0,
-    activations: str = "q8_0",
+    activations: str = "q8_k",
     pad: int = 1,
     io: str = "auto",
     policy: str = "lru",

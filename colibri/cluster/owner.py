@@ -47,7 +47,7 @@ class ExpertOwner:
         *,
         budget: int | None = None,
         threads: int = 0,
-        activations: str = "q8_0",
+        activations: str = "q8_k",
         pad: int = 1,
         io: str = "auto",
         policy: str = "lru",
