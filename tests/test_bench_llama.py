@@ -93,3 +93,59 @@ def _state(stat) -> str:
         return stat.read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
         return ""
+
+
+def test_prefill_breakdown_names_the_parts_where_colibri_is_slower():
+    split = {"routed experts": 0.6, "attention core (QK^T, softmax, PV)": 0.3, "router": 0.0,
+             "other (Python, gathers, residual sums, thread hand-offs)": 0.1}  # fmt: skip
+    runs = [{"pp_by_n": {64: {"tok_s": 200.0, "breakdown_s": split},
+                         512: {"tok_s": 512.0, "breakdown_s": split}}}]  # fmt: skip
+    lines = sec_llama.prefill_breakdown(runs, {64: 100.0, 512: 1024.0}, (64, 512), "colibri")
+    assert len(lines) == 1  # faster than the peer at 64 tokens: nothing to explain there
+    assert lines[0].startswith("Where colibri's 512-token prefill time goes (colibri, last")
+    assert "1000 ms; llama.cpp takes 500 ms (0.50×)" in lines[0]
+    assert ("routed experts 600 ms (60%), attention core (QK^T, softmax, PV) 300 ms (30%), "
+            "other (Python, gathers, residual sums, thread hand-offs) 100 ms (10%)."
+            in lines[0])  # fmt: skip
+    assert "router" not in lines[0]  # parts that took no time are left out
+    # no peer: every size is explained
+    assert len(sec_llama.prefill_breakdown(runs, {}, (64, 512), "colibri")) == 2
+    assert sec_llama.pp_at(runs[0], 512) == 512.0
+    assert sec_llama.pp_at({"pp_by_n": {512: 900.0}}, 512) == 900.0  # llama.cpp's form
+    assert sec_llama.pp_at(runs[0], 2048) is None
+
+
+def test_part_timer_splits_a_real_prefill(tmp_path):
+    """The child's breakdown on a tiny converted Mixtral: the parts and the rest add up to the
+    pass, the routed experts and attention took time, and uninstall restores the functions."""
+    import asyncio
+    import time
+
+    from colibri import model
+    from colibri.compute import ops
+    from colibri.convert import convert
+    from colibri.engine import open_engine
+    from tests import hf_models
+
+    hf_models.save_with_tokenizer("mixtral", tmp_path / "hf", seed=2)
+    convert(tmp_path / "hf", tmp_path / "store", quant="q8_0", dense_quant="q8_0")
+    before = (model.Model.expert_ffn, model.Model.attention, ops.attention)
+
+    async def run() -> tuple[dict[str, float], float]:
+        async with open_engine(tmp_path / "store", budget=1 << 30, threads=1) as eng:
+            timer = sec_llama.PartTimer()
+            try:
+                t0 = time.perf_counter()
+                await eng.forward(eng.new_sequence(), list(range(3, 40)))
+                total = time.perf_counter() - t0
+                return timer.split(total), total
+            finally:
+                timer.uninstall()
+
+    split, total = asyncio.run(run())
+    assert set(sec_llama.PARTS) < set(split)
+    assert abs(sum(split.values()) - total) < 1e-6 * max(1.0, total)
+    assert all(v >= 0 for v in split.values())
+    assert split["routed experts"] > 0 and split["attention core (QK^T, softmax, PV)"] > 0
+    assert split["attention (projections, norm, RoPE)"] > 0 and split["LM head"] > 0
+    assert (model.Model.expert_ffn, model.Model.attention, ops.attention) == before

@@ -113,6 +113,52 @@ def test_simd_matches_scalar_twin(isa, qt):
     assert np.max(np.abs(y - y_ref) / mag) <= MATMUL_TOL
 
 
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+def test_gemm_tiles_bit_equal_to_scalar_twin(qt):
+    """Every SIMD level's batch GEMM (AVX512-VNNI: 16-row tiles, 8 x rows in registers; the
+    others 8-row tiles) gives the scalar twin's bits: 237 rows (a 13-row tail tile, split 8 +
+    5 across the 512-bit lanes), x rows past the 256-row panel with a 4-row tail, bias,
+    row scale and accumulate through expert_ffn, 1 and 2 threads; and stays within the numpy
+    reference's tolerance."""
+    rng = np.random.default_rng(23)
+    rows, cols, n = 237, 1056, 300
+    data, _w = random_weights(rng, qt, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    xq = ops.quantize_act(x)
+    d_model, d_ff, m = 96, 160, 260
+    g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))
+    d, _ = random_weights(rng, qt, d_model, d_ff)
+    h = rng.standard_normal((m, d_model)).astype(np.float32)
+    bg, bu = rng.standard_normal((2, d_ff)).astype(np.float32)
+    bd = rng.standard_normal(d_model).astype(np.float32)
+    rw = rng.uniform(0.1, 1, m).astype(np.float32)
+    y0 = rng.standard_normal((m, d_model)).astype(np.float32)
+
+    def run(t: int) -> tuple[np.ndarray, np.ndarray]:
+        y = ops.matmul_q8(data, qt, xq, np.full((n, rows), np.nan, np.float32), nthreads=t)
+        f = ops.expert_ffn(
+            y0.copy(), h, g, u, d, qt, d_model, d_ff, gate_bias=bg, up_bias=bu, down_bias=bd,
+            row_weight=rw, act_q8=True, nthreads=t,
+        )  # fmt: skip
+        return y, f
+
+    before = ops.isa()
+    try:
+        ops.set_isa(ops.ISA.SCALAR)
+        y_ref, f_ref = run(1)
+        for level in ops.ISA:
+            if ops.ISA.SCALAR < level <= ops.best_isa():
+                ops.set_isa(level)
+                for t in (1, 2):
+                    y, f = run(t)
+                    np.testing.assert_array_equal(y, y_ref, err_msg=f"{level.name}, {t} threads")
+                    np.testing.assert_array_equal(f, f_ref, err_msg=f"{level.name}, {t} threads")
+    finally:
+        ops.set_isa(before)
+    want, mag = q8_reference(data, qt, x)
+    assert np.max(np.abs(y_ref - want) / mag) <= MATMUL_TOL
+
+
 def test_quantize_act_edge_cases(isa):
     """The SIMD quantizer gives gguf's bytes: exact halves, all-zero and tiny blocks."""
     x = np.zeros((4, 64), np.float32)

@@ -28,7 +28,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def run_capped(
 def run_llama_bench(
     gguf: str | os.PathLike[str],
     threads: int,
-    n_prompt: int = 512,
+    n_prompt: int | Sequence[int] = 512,
     n_gen: int = 128,
     repetitions: int = 3,
     extra: list[str] | None = None,
@@ -112,20 +112,27 @@ def run_llama_bench(
     """Prefill and decode speed of `gguf` from llama-bench's JSON output.
 
     Runs `llama-bench -m GGUF -t threads -p n_prompt -n n_gen -r repetitions -o json` (one pp
-    test of n_prompt tokens, one tg test generating n_gen tokens after an empty context;
-    llama-bench warms up first). Returns {"pp_tok_s", "tg_tok_s" (means), "pp_samples",
-    "tg_samples" (tok/s per repetition), "build_commit", "cpu_info", "model_size" (bytes),
+    test per prompt size in n_prompt, one tg test generating n_gen tokens after an empty
+    context; llama-bench warms up first). Returns {"pp_tok_s", "tg_tok_s" (means; pp_tok_s of
+    the first prompt size), "pp_samples", "tg_samples" (tok/s per repetition), "pp_by_n"
+    ({prompt size: mean tok/s}), "build_commit", "cpu_info", "model_size" (bytes),
     "model_n_params", "cmd"}. A side is None when its count is 0.
     Raises FileNotFoundError (no build), subprocess.CalledProcessError (llama-bench failed)."""
-    cmd = [_exe("llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt),
-           "-n", str(n_gen), "-r", str(repetitions), "-o", "json", *(extra or [])]  # fmt: skip
+    sizes = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
+    cmd = [_exe("llama-bench"), "-m", str(gguf), "-t", str(threads), "-p",
+           ",".join(str(n) for n in sizes), "-n", str(n_gen), "-r", str(repetitions), "-o",
+           "json", *(extra or [])]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
     rows = json.loads(res.stdout)
-    out: dict[str, Any] = {"pp_tok_s": None, "tg_tok_s": None, "cmd": cmd}
+    out: dict[str, Any] = {"pp_tok_s": None, "tg_tok_s": None, "pp_by_n": {}, "cmd": cmd}
     for row in rows:
         side = "tg" if row["n_gen"] > 0 else "pp"
+        if side == "pp":
+            out["pp_by_n"][int(row["n_prompt"])] = float(row["avg_ts"])
+            if out["pp_tok_s"] is not None:  # the first size keeps pp_tok_s / pp_samples
+                continue
         out[f"{side}_tok_s"] = float(row["avg_ts"])
         out[f"{side}_samples"] = [float(x) for x in row.get("samples_ts", [])]
         for key in ("build_commit", "cpu_info", "model_size", "model_n_params", "n_threads"):

@@ -29,6 +29,7 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ COLIBRI_OVERHEAD = 192 << 20
 # wall-clock limit of one peer's run under the memory limit (quick runs: a third of it):
 # llama.cpp's default repack under a cgroup limit thrashed for 13 min, reading 432 GB
 PEER_TIME_LIMIT_S = 900
+PREFILL_SIZES = (64, 512, 2048)  # prompt tokens of the in-RAM prefill rows (issue 23)
 
 
 # ---- pure figures (unit-tested) -----------------------------------------------------------
@@ -98,7 +100,108 @@ def colibri_budget(
     return max(0, spare // record_nbytes) * record_nbytes
 
 
+def pp_at(r: dict[str, Any], n: int) -> float | None:
+    """A run's prefill tok/s at n prompt tokens (colibri: pp_by_n[n]["tok_s"]; llama.cpp:
+    pp_by_n[n]), None when that size was not run."""
+    x = (r.get("pp_by_n") or {}).get(n)
+    return x["tok_s"] if isinstance(x, dict) else x
+
+
+def prefill_breakdown(
+    runs: list[dict[str, Any]], peer: dict[int, float], sizes: Sequence[int], name: str
+) -> list[str]:
+    """Markdown lines saying where colibri's prefill time goes (the last run's PartTimer
+    split, `name`'s runs) at each size where it is slower than the peer's tok/s (peer:
+    {size: tok/s}; every size when the peer did not run)."""
+    r = runs[-1] if runs else {}
+    out = []
+    for n in sizes:
+        x = (r.get("pp_by_n") or {}).get(n)
+        if not x or not x.get("breakdown_s") or (peer.get(n) and x["tok_s"] >= peer[n]):
+            continue
+        ms = n / x["tok_s"] * 1e3
+        versus = (f"; llama.cpp takes {n / peer[n] * 1e3:.0f} ms "
+                  f"({x['tok_s'] / peer[n]:.2f}×)" if peer.get(n) else "")  # fmt: skip
+        out.append(f"Where colibri's {n}-token prefill time goes ({name}, last round, "
+                   f"{ms:.0f} ms{versus}): {breakdown_line(x['breakdown_s'], n)}.\n")  # fmt: skip
+    return out
+
+
 # ---- colibri child process ----------------------------------------------------------------
+
+
+# Parts of a forward pass that the prefill breakdown times (the child wraps these functions):
+# label -> (owner, attribute). Nested calls of the same label count once (the outermost).
+PARTS = {
+    "routed experts": ("model", "expert_ffn"),
+    "attention (projections, norm, RoPE)": ("model", "attention_batch"),
+    "attention core (QK^T, softmax, PV)": ("ops", "attention"),
+    "router": ("model", "route"),
+    "LM head": ("model", "logits"),
+    "embedding": ("model", "embed"),
+}
+
+
+class PartTimer:
+    """Seconds spent in each of PARTS while installed (wraps the functions; uninstall()
+    restores them). "attention (projections...)" excludes its attention core."""
+
+    def __init__(self) -> None:
+        from colibri import model
+        from colibri.compute import ops
+
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self._depth: dict[str, int] = {}  # calls in progress per label (the compute thread's)
+        self._saved: list[tuple[Any, str, Any]] = []
+        owners = {"model": model.Model, "ops": ops}
+        for label, (owner, name) in PARTS.items():
+            obj = owners[owner]
+            fn = getattr(obj, name)
+            self._saved.append((obj, name, fn))
+            setattr(obj, name, self._wrap(label, fn))
+        # Model.attention (per sequence) runs inside attention_batch: time it only when alone
+        self._saved.append((model.Model, "attention", model.Model.attention))
+        model.Model.attention = self._wrap(
+            "attention (projections, norm, RoPE)", model.Model.attention
+        )
+
+    def _wrap(self, label: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth[label] = self._depth.get(label, 0) + 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth[label] -= 1
+                if not self._depth[label]:
+                    self.seconds[label] += time.perf_counter() - t0
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+
+    def split(self, total_s: float) -> dict[str, float]:
+        """Seconds per part of a pass that took total_s, the rest as "other (Python, gathers,
+        residual sums, thread hand-offs)"; the attention core is taken out of the attention
+        row, which contains it."""
+        out = dict(self.seconds)
+        out["attention (projections, norm, RoPE)"] -= out["attention core (QK^T, softmax, PV)"]
+        out["other (Python, gathers, residual sums, thread hand-offs)"] = max(
+            0.0, total_s - sum(out.values())
+        )
+        return out
+
+    def uninstall(self) -> None:
+        for obj, name, fn in reversed(self._saved):
+            setattr(obj, name, fn)
+
+
+def breakdown_line(split: dict[str, float], n_prompt: int) -> str:
+    """'part X ms (Y%)' for each part of a prefill of n_prompt tokens, largest first."""
+    total = sum(split.values()) or 1.0
+    parts = sorted(split.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v * 1e3:.0f} ms ({v / total:.0%})" for k, v in parts if v > 0)
 
 
 async def _child(a: argparse.Namespace) -> dict[str, Any]:
@@ -120,17 +223,29 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
                 (await eng.cache.get(rec.layer, rec.expert)).release()
             out["warm_s"] = time.perf_counter() - t1
         rng = np.random.default_rng(0)
-        if a.n_prompt:
-            prompt = rng.integers(10, eng.spec.vocab_size, a.n_prompt).tolist()
+        sizes = [int(n) for n in str(a.n_prompt).split(",") if int(n)]
+        if sizes:
+            prompt = rng.integers(10, eng.spec.vocab_size, max(sizes)).tolist()
             await eng.forward(eng.new_sequence(), prompt[:8])  # kernels and thread pool up
-            samples = []
-            for _ in range(a.prefill_reps):
-                seq = eng.new_sequence()
-                t1 = time.perf_counter()
-                await eng.forward(seq, prompt)
-                samples.append(a.n_prompt / (time.perf_counter() - t1))
-            out["pp_samples"] = samples
-            out["pp_tok_s"] = float(np.median(samples))
+            timer = PartTimer() if a.breakdown else None
+            out["pp_by_n"] = {}
+            for n in sizes:
+                samples, split = [], None
+                for _ in range(a.prefill_reps if n <= 512 else 1):
+                    seq = eng.new_sequence()
+                    if timer:
+                        timer.reset()
+                    t1 = time.perf_counter()
+                    await eng.forward(seq, prompt[:n])
+                    dt = time.perf_counter() - t1
+                    samples.append(n / dt)
+                    split = timer.split(dt) if timer else None
+                out["pp_by_n"][n] = {"tok_s": float(np.median(samples)), "samples": samples,
+                                     "breakdown_s": split}  # fmt: skip
+            if timer:
+                timer.uninstall()
+            out["pp_samples"] = out["pp_by_n"][sizes[0]]["samples"]
+            out["pp_tok_s"] = out["pp_by_n"][sizes[0]]["tok_s"]
         if a.n_gen:
             seq = eng.new_sequence()
             bos = eng.store.config.get("bos_token_id") or 1
@@ -171,7 +286,16 @@ def child_main(argv: list[str]) -> int:
     ap.add_argument("--budget", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--n-ctx", type=int, default=512)
-    ap.add_argument("--n-prompt", type=int, default=0, help="timed prefill of N random tokens")
+    ap.add_argument(
+        "--n-prompt",
+        default="0",
+        help="timed prefill of N random tokens (N,M,...: one prefill per size)",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the parts of each prefill (PARTS) and report them",
+    )
     ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--n-gen", type=int, default=0, help="timed greedy decode of N tokens")
     ap.add_argument("--text", default="", help="decode after this prompt (default: BOS)")
@@ -294,7 +418,9 @@ def run(ctx: Context) -> Section:
     quick = ctx.quick
     # quick: 1.1 GB in RAM, 1.95 GB under a 0.9 GiB limit; full: 1.95 GB, 3.6 GB under 1.7 GiB
     fits_layers, big_layers = (1, 2) if quick else (2, 4)
-    n_prompt, n_gen, reps = (64, 16, 1) if quick else (128, 32, 2)
+    n_gen, reps = (16, 1) if quick else (32, 2)
+    sizes = PREFILL_SIZES
+    n_prompt = sizes[0]
     big_gen = 6 if quick else 16
     try:
         bindir: Path | None = llama_cpp.llama_bin_dir()
@@ -323,7 +449,7 @@ def run(ctx: Context) -> Section:
     else:
         sf = store_figures(store)
         fits |= {"store": str(store), "gguf": str(gguf) if gguf else None, **sf,
-                 "n_prompt": n_prompt, "n_gen": n_gen}  # fmt: skip
+                 "n_prompt": n_prompt, "prefill_sizes": list(sizes), "n_gen": n_gen}  # fmt: skip
         bound = mem_gbps * 1e9 / sf["active_bytes_per_token"] if mem_gbps else None
         fits["bound_tok_s"] = bound
         runs: dict[str, Any] = {}
@@ -331,7 +457,7 @@ def run(ctx: Context) -> Section:
         if gguf is not None:
 
             def llama() -> float:
-                r = llama_cpp.run_llama_bench(gguf, ctx.threads, n_prompt, n_gen, reps)
+                r = llama_cpp.run_llama_bench(gguf, ctx.threads, sizes, n_gen, reps)
                 ctx.record(r.pop("cmd"))
                 raw.setdefault("llama.cpp", []).append(r)
                 return r["tg_tok_s"]
@@ -340,41 +466,55 @@ def run(ctx: Context) -> Section:
         for v in variants:
 
             def col(v: str = v) -> float:
+                # the exact f32 path prefills the first size only (it is ~10x slower)
+                pp = sizes if v == variants[0] else sizes[:1]
                 args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads",
-                        str(ctx.threads), "--n-ctx", str(n_prompt + n_gen + 8), "--n-prompt",
-                        str(n_prompt), "--n-gen", str(n_gen), "--warm", "--activations",
-                        v]  # fmt: skip
+                        str(ctx.threads), "--n-ctx", str(max(sizes) + n_gen + 8), "--n-prompt",
+                        ",".join(map(str, pp)), "--n-gen", str(n_gen), "--warm",
+                        "--breakdown", "--activations", v]  # fmt: skip
                 r = run_colibri(ctx, args)
+                if "pp_by_n" in r:  # JSON object keys are strings
+                    r["pp_by_n"] = {int(k): x for k, x in r["pp_by_n"].items()}
                 raw.setdefault(vname[v], []).append(r)
                 if r["returncode"]:
                     raise RuntimeError(f"colibri child failed: {r['error']}")
                 return r["tg_tok_s"]
 
             runs[vname[v]] = col
-        ctx.log(f"fits in RAM: {store.name}, pp{n_prompt} tg{n_gen}, {ctx.rounds} rounds")
+        ctx.log(f"fits in RAM: {store.name}, pp{'/'.join(map(str, sizes))} tg{n_gen}, "
+                f"{ctx.rounds} rounds")  # fmt: skip
         interleave(runs, ctx.rounds, ctx.log)
         fits["runs"] = raw
         med = {name: {"tg": median([r["tg_tok_s"] for r in rs]),
-                      "pp": median([r["pp_tok_s"] for r in rs])}
+                      "pp": median([r["pp_tok_s"] for r in rs]),
+                      "pp_by_n": {n: median([pp_at(r, n) for r in rs]) for n in sizes}}
                for name, rs in raw.items()}  # fmt: skip
         fits["medians"] = med
         best_tg = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["tg"])
         best_pp = max((n for n in med if n != "llama.cpp"), key=lambda n: med[n]["pp"])
-        peer = med.get("llama.cpp", {"tg": None, "pp": None})
+        peer = med.get("llama.cpp", {"tg": None, "pp": None, "pp_by_n": {}})
         build = (raw.get("llama.cpp") or [{}])[0].get("build_commit")
         fits |= {"best_decode": best_tg, "best_prefill": best_pp, "llama_cpp_commit": build}
         heads += [
             Headline("Decode, model fits in RAM", "tok/s", med[best_tg]["tg"], peer["tg"], bound,
                      "memory bandwidth bound", "≥ 0.8× llama.cpp",
                      f"{sf['store_nbytes'] / 1e9:.2f} GB Mixtral-shaped Q4_0; {best_tg}"),
-            Headline("Prefill, model fits in RAM", "tok/s", med[best_pp]["pp"], peer["pp"],
-                     note=f"{n_prompt}-token prompt; {best_pp}; compute-bound"),
         ]  # fmt: skip
+        for n in sizes:
+            best = max((c for c in med if c != "llama.cpp"),
+                       key=lambda c: med[c]["pp_by_n"][n] or 0.0)  # fmt: skip
+            heads.append(Headline(f"Prefill {n} tokens, model fits in RAM", "tok/s",
+                                  med[best]["pp_by_n"][n], peer["pp_by_n"].get(n),
+                                  target="≥ 1.0× llama.cpp",
+                                  note=f"{best}; compute-bound"))  # fmt: skip
         rows = []
         for name, m in med.items():
-            rows.append([name, m["tg"], m["pp"],
-                         "—" if not peer["tg"] else f"{m['tg'] / peer['tg']:.2f}×",
-                         "—" if not peer["pp"] else f"{m['pp'] / peer['pp']:.2f}×",
+            pp_ratio = " / ".join(
+                "—" if not (m["pp_by_n"][n] and peer["pp_by_n"].get(n))
+                else f"{m['pp_by_n'][n] / peer['pp_by_n'][n]:.2f}×" for n in sizes
+            )  # fmt: skip
+            rows.append([name, m["tg"], *(m["pp_by_n"][n] or "—" for n in sizes),
+                         "—" if not peer["tg"] else f"{m['tg'] / peer['tg']:.2f}×", pp_ratio,
                          "—" if not bound else f"{m['tg'] / bound:.0%}"])  # fmt: skip
         md += [
             "### Model fits in RAM",
@@ -383,10 +523,12 @@ def run(ctx: Context) -> Section:
             f"shapes, Q4_0 experts, Q8_0 attention and embeddings), "
             f"{sf['store_nbytes'] / 1e9:.2f} GB; the GGUF holds the same blocks. "
             f"{ctx.threads} threads for both. llama.cpp (commit {build or '?'}, from the "
-            f"llama-cpp-python sdist): `llama-bench -p {n_prompt} -n {n_gen} "
+            f"llama-cpp-python sdist): `llama-bench -p {','.join(map(str, sizes))} -n {n_gen} "
             f"-r {reps}` (its pp and tg tests; tg starts from an empty context). colibri: a child "
             f"process opens the store with a budget ≥ the store, loads every expert, then times "
-            f"a {n_prompt}-token prefill (median of 2) and {n_gen} greedy decode steps "
+            f"prefills of {', '.join(map(str, sizes))} random tokens (each from an empty "
+            f"context; median of 2 up to 512 tokens, one above; the f32 path the first size "
+            f"only) and {n_gen} greedy decode steps "
             f"separately. Medians of {ctx.rounds} interleaved rounds. The bound is "
             f"{sf['active_bytes_per_token'] / 1e6:.0f} MB of weights read per token (top-2 "
             f"experts per layer, all attention, the LM head) at {fmt(mem_gbps)} GB/s.",
@@ -395,9 +537,9 @@ def run(ctx: Context) -> Section:
                 [
                     "engine",
                     "decode tok/s",
-                    "prefill tok/s",
+                    *(f"prefill {n} tok/s" for n in sizes),
                     "decode vs llama.cpp",
-                    "prefill vs llama.cpp",
+                    f"prefill vs llama.cpp ({' / '.join(map(str, sizes))})",
                     "decode of bound",
                 ],
                 rows,
@@ -414,6 +556,8 @@ def run(ctx: Context) -> Section:
                   f"{1e3 / bound if bound else float('nan'):.1f} ms. Both engines share 2 cores "
                   f"with whatever else runs (load average at the start is in the machine "
                   f"record).\n")  # fmt: skip
+        md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
+                                vname[variants[0]])  # fmt: skip
     data["fits"] = fits
     panels: list[dict[str, Any]] = []
     if fits.get("medians"):
