@@ -15,9 +15,12 @@ order: the tokens are those of one machine, whatever the shard map.
 
 Transport: a layer whose calls are small (decode: at most GRAPH_ROWS rows an owner, fitting the
 channel buffers) goes to every owner at once through one Ray Compiled Graph (ray.dag
-InputNode -> each owner's ffn_graph -> MultiOutputNode, `experimental_compile`), about 1 ms a
-round trip here against 3-4 ms for plain actor calls; the rest (prefill, the graph still
-building, busy or broken) goes as plain actor calls, one per owner, in parallel. The graph is
+InputNode -> each owner's ffn_graph -> MultiOutputNode, `experimental_compile`); the rest
+(prefill, the graph not built yet, busy or broken) goes as plain actor calls, one per owner, in
+parallel. A no-op round trip to 2 owners on 2 local nodes (tools/ray_round_trip.py) takes
+0.8-1.5 ms through a graph against 2.7-4 ms as plain calls on this machine lightly loaded; at
+a load average of 16 on its 2 cores both take several ms. The graph is built once GRAPH_AFTER
+small layer calls went plain (or wait_graph() asks), so a short run never compiles one; it is
 driven from one dedicated thread (`compiled.execute` and `ray.get` block; the coroutine awaits
 the thread's future), and on the actor its method is sync: Ray runs it on the actor's
 `_ray_system` thread, and it hands the work to the actor's event loop (where the plain calls
@@ -33,7 +36,8 @@ and warmed up in the background while plain calls serve.
 Failures: an owner whose actor dies fails the layer's call with a ColibriError naming the owner
 and its node (the request that needed it ends with it); the compiled graph is torn down; Ray
 restarts the actor, and the next call first waits for it to answer again (or, if its node left,
-starts it on another node), then a new graph is built over the owners as they are now.
+starts it on another node); a new graph over the owners as they are now follows after
+GRAPH_AFTER more small calls.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from colibri.errors import ColibriError
 
 RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
 GRAPH_ROWS = 16  # rows an owner's share of a layer may have to go through the compiled graph
+GRAPH_AFTER = 64  # small layer calls (plain) before the graph is built: short runs never pay
 GRAPH_TIMEOUT = 300.0  # seconds one compiled-graph execution may take (cold reads included)
 GRAPH_WARMUP_TIMEOUT = 180.0  # seconds the first execution after compiling may take
 
@@ -93,7 +98,8 @@ class ClusterStatistics:
     time (serialization, scheduling, network); bytes_sent / bytes_received: array bytes over
     all owners; owners: OwnerStatistics each. graph_calls: the layer calls that went through
     the compiled graph (the rest were plain actor calls); graph: its state, "off" (not asked
-    for), "building", "ready", or "failed: <why>" (then plain calls only, until rebuilt)."""
+    for), "waiting" (built after GRAPH_AFTER small calls), "building", "ready", or
+    "failed: <why>" (plain calls only)."""
 
     layer_calls: int
     round_trip_ms: float
@@ -274,10 +280,17 @@ class ClusterExperts:
         self._graph: _Graph | None = None
         self._graph_error: str | None = None
         self.use_graph = True  # False: plain calls even with the graph ready (benchmarks)
-        self._build_graph()
+        self._small_calls = 0  # small layer calls gone plain while there was no graph
 
     def _build_graph(self) -> None:
-        if self._graph_thread is not None and not self._closed:
+        """Start building the graph (in the background) unless there is one, it is off, or
+        an owner is down."""
+        if (
+            self._graph is None
+            and self._graph_thread is not None
+            and not self._closed
+            and not any(o.down for o in self._owners)
+        ):
             self._graph = _Graph(self.handles(), self.graph_buffer_nbytes, self._graph_thread)
 
     def _drop_graph(self) -> None:
@@ -287,8 +300,10 @@ class ClusterExperts:
             self._graph = None
 
     async def wait_graph(self, timeout: float = GRAPH_WARMUP_TIMEOUT + 60) -> str:
-        """Wait until the compiled graph is built (or failed); its state (see
-        ClusterStatistics.graph). Layers are served by plain calls meanwhile."""
+        """Build the compiled graph now if it is not (GRAPH_AFTER not reached yet) and wait
+        until it is ready (or failed); its state (see ClusterStatistics.graph). Layers are
+        served by plain calls meanwhile."""
+        self._build_graph()
         deadline = time.monotonic() + timeout
         while self._graph is not None and self._graph.state == "building":
             if time.monotonic() > deadline:
@@ -301,7 +316,7 @@ class ClusterExperts:
             return self._graph.state
         if self._graph_thread is None:
             return "off"
-        return f"failed: {self._graph_error}" if self._graph_error else "building"
+        return f"failed: {self._graph_error}" if self._graph_error else "waiting"
 
     @property
     def num_owners(self) -> int:
@@ -365,6 +380,11 @@ class ClusterExperts:
             error = next((r for r in results if isinstance(r, BaseException)), None)
             if error is not None:
                 raise error
+            small = all(sum(len(h) for h, _, _ in ps) <= GRAPH_ROWS for ps in parts.values())
+            if graph is None and self._graph_thread is not None and small:
+                self._small_calls += 1
+                if self._small_calls >= GRAPH_AFTER:
+                    self._build_graph()
         wall = time.perf_counter() - t0
         busy = 0.0
         for items, (outs, call_seconds) in zip(work.values(), results, strict=True):
@@ -507,8 +527,6 @@ class ClusterExperts:
         actor dead for good (its node left) is started again on another node."""
         import ray
 
-        if self._graph is None and not any(o.down for o in self._owners):
-            self._build_graph()  # after a graph failure no owner's death explains
         for owner in self._owners:
             if not owner.down:
                 continue
@@ -538,8 +556,7 @@ class ClusterExperts:
             owner.pid = info["pid"]
             owner.restarts += 1
             owner.down = False
-            if not any(o.down for o in self._owners):
-                self._build_graph()  # over the owners as they are now
+            self._small_calls = 0  # a new graph over the owners as they are now, later
 
     def counts(self) -> dict[str, Any]:
         """The owners' expert cache counts (ExpertCache.counts() keys) summed, as each owner
