@@ -131,6 +131,8 @@ class EngineOptions:
     cluster: str | None = None
     owners_per_node: int = 1
     shard_map: str | None = None  # a shard map file (colibri shard): owners and their stores
+    # decode's layer calls through a Ray Compiled Graph (False: plain actor calls only)
+    cluster_graph: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -406,6 +408,7 @@ class Engine:
             verify=o.verify,
             prefetch=o.prefetch,
             queue_depth=o.queue_depth,
+            compiled_graph=o.cluster_graph,
         )
 
     def _check_kv_fits(self, n_ctx: int) -> None:

@@ -240,3 +240,59 @@ def test_a_node_that_leaves_fails_the_request_and_its_owner_moves(cluster, mixtr
     assert again == alone
     moved = st.owners[leaving]
     assert moved.restarts == 1 and moved.node_id != node.node_id
+
+
+def test_compiled_graph_serves_decode_bit_identical_and_is_rebuilt_after_a_kill(cluster, mixtral):
+    """Decode's layer calls through the Ray Compiled Graph (once built) give the
+    single-process logits bit for bit; an owner killed while the graph serves fails that
+    request naming the owner, and the graph is built again over the restarted owner."""
+
+    async def decode(engine, n=N_TOKENS):
+        seq = engine.new_sequence()
+        logits = await engine.forward(seq, PROMPT)
+        out, rows = [], [logits]
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = await engine.forward(seq, [out[-1]])
+            rows.append(logits)
+        return out, np.stack(rows)
+
+    tokens, logits, _ = asyncio.run(_greedy(mixtral))
+    moe_layers = len(open_store(mixtral).moe_layers)
+
+    async def main():
+        async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
+            experts = engine.cluster
+            assert await experts.wait_graph() == "ready"
+            before = experts.statistics().graph_calls
+            got = await decode(engine)
+            graphed = experts.statistics().graph_calls - before
+            with pytest.raises(ColibriError, match=r"expert owner 1 on node .* failed during MoE"):
+                seq = engine.new_sequence()
+                await engine.forward(seq, PROMPT)
+                for k in range(40):
+                    if k == 2:
+                        ray.kill(experts.handles()[1], no_restart=False)
+                    await engine.forward(seq, [5])
+            again = await decode(engine)  # plain calls while the graph is rebuilt
+            assert await experts.wait_graph() == "ready"
+            before = experts.statistics().graph_calls
+            rebuilt = await decode(engine)
+            return got, graphed, again, rebuilt, experts.statistics().graph_calls - before
+
+    (g_tokens, g_logits), graphed, again, rebuilt, regraphed = asyncio.run(main())
+    assert g_tokens == tokens and np.array_equal(g_logits, logits)
+    assert graphed >= N_TOKENS * moe_layers  # every decode step went through the graph
+    assert again[0] == tokens and np.array_equal(again[1], logits)
+    assert rebuilt[0] == tokens and np.array_equal(rebuilt[1], logits)
+    assert regraphed >= N_TOKENS * moe_layers
+
+
+def test_plain_actor_calls_when_the_graph_is_off(cluster, mixtral):
+    tokens, logits, _ = asyncio.run(_greedy(mixtral))
+    c_tokens, c_logits, st = asyncio.run(
+        _greedy(mixtral, cluster=cluster.address, cluster_graph=False)
+    )
+    assert c_tokens == tokens and np.array_equal(c_logits, logits)
+    assert st.cluster.graph == "off" and st.cluster.graph_calls == 0
+    assert st.cluster.layer_calls == (N_TOKENS + 1) * len(open_store(mixtral).moe_layers)

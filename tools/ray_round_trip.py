@@ -11,8 +11,12 @@ local ray.cluster_utils.Cluster, with a wall timeout; a case that fails prints i
     python tools/ray_round_trip.py --calls 500 --timeout 180
 
 Cases: actor-1node / actor-2nodes (two async echo actors, one call each in parallel, as
-colibri/cluster/client.py does per MoE layer), cgraph-1node / cgraph-2nodes (the same two
-actors in one compiled graph, execute() then ray.get). Figures: median ms per round trip.
+colibri/cluster/client.py's plain calls per MoE layer), cgraph-1node / cgraph-2nodes (the same
+two actors in one compiled graph, execute() then ray.get), cgraph-loop-2nodes (client.py's
+form: the graph executed from a dedicated thread that an asyncio coroutine awaits, and the
+actors' sync node handing its work to the actor's event loop with run_coroutine_threadsafe),
+cgraph-held-2nodes (the repro of the earlier hang: the driver keeps the last execution's numpy
+result alive while it submits the next -- expected to fail). Figures: median ms per round trip.
 
 Measured 2026-12-01 (2-core AMD EPYC, load average 7-11 from other jobs; two runs, ms):
 actor-1node 2.75 / 4.09, actor-2nodes 3.00 / 3.68, cgraph-1node 0.81 / 1.06, cgraph-2nodes
@@ -21,7 +25,16 @@ also saw a 2-node compiled graph stop after its first execution (RayChannelTimeo
 "Timed out acquiring the read lock" after RAY_CGRAPH_get_timeout = 10 s, then a raylet
 check failure in MutableObjectProvider::HandlePushMutableObject and a driver segfault at
 teardown), and an enable_asyncio graph over an async actor whose method waited on the
-actor's event loop (asyncio.run_coroutine_threadsafe) hang: not yet safe for client.py.
+actor's event loop (asyncio.run_coroutine_threadsafe) hang.
+
+The cause (found 2026-12-02, case cgraph-held-2nodes): a compiled graph's numpy results are
+zero-copy views of the channel buffer, and the next execution's write waits until the reader
+has released it, i.e. until those arrays are gone; a caller that keeps `out =
+ray.get(compiled.execute(...))` alive across the next execute() hangs there, on 1 node as on
+2 (https://docs.ray.io/en/latest/ray-core/compiled-graph/troubleshooting.html, "Return NumPy
+arrays"). The raylet check failure and the segfault follow from tearing the stuck graph down.
+Separately, the first execution after compiling takes 3-12 s here (the actors' channels being
+set up), close to the 10 s default get timeout: warm up with a long timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +49,14 @@ import sys
 import time
 from typing import Any
 
-CASES = ("actor-1node", "actor-2nodes", "cgraph-1node", "cgraph-2nodes")
+CASES = (
+    "actor-1node",
+    "actor-2nodes",
+    "cgraph-1node",
+    "cgraph-2nodes",
+    "cgraph-loop-2nodes",
+    "cgraph-held-2nodes",
+)
 
 
 def _case(name: str, calls: int) -> dict[str, Any]:
@@ -60,11 +80,20 @@ def _case(name: str, calls: int) -> dict[str, Any]:
 
         @ray.remote(num_cpus=0)
         class Echo:
+            def __init__(self) -> None:
+                self.loop: Any = None
+
+            async def open(self) -> None:
+                self.loop = asyncio.get_running_loop()
+
             def echo(self, x: Any) -> Any:
                 return x
 
             async def aecho(self, x: Any) -> Any:
                 return x
+
+            def loop_echo(self, x: Any) -> Any:  # client.py's ExpertOwnerActor.ffn_graph
+                return asyncio.run_coroutine_threadsafe(self.aecho(x), self.loop).result()
 
         actors = [
             Echo.options(
@@ -86,21 +115,55 @@ def _case(name: str, calls: int) -> dict[str, Any]:
             asyncio.run(run())
             extra: dict[str, Any] = {}
         else:
+            from concurrent.futures import ThreadPoolExecutor
+
             from ray.dag import InputNode, MultiOutputNode
 
+            form = name.split("-")[1]  # "1node" / "2nodes" (plain), "loop", "held"
+            ray.get([a.open.remote() for a in actors])
+            method = "loop_echo" if form == "loop" else "echo"
             with InputNode() as inp:
-                dag = MultiOutputNode([a.echo.bind(inp[i]) for i, a in enumerate(actors)])
+                dag = MultiOutputNode(
+                    [getattr(a, method).bind(inp[i]) for i, a in enumerate(actors)]
+                )
             t0 = time.perf_counter()
             compiled = dag.experimental_compile()
             extra = {"compile_s": time.perf_counter() - t0}
             t0 = time.perf_counter()
-            ray.get(compiled.execute(x, x), timeout=60)
+            ray.get(compiled.execute(x, x), timeout=120)
             extra["first_s"] = time.perf_counter() - t0
             try:
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    ray.get(compiled.execute(x, x), timeout=30)
-                    times.append(time.perf_counter() - t0)
+                if form == "loop":
+                    thread = ThreadPoolExecutor(1)
+
+                    def once() -> None:
+                        out = ray.get(compiled.execute(x, x), timeout=30)
+                        [np.array(o, copy=True) for o in out]  # then the buffers go
+
+                    async def run_loop() -> None:
+                        loop = asyncio.get_running_loop()
+                        for _ in range(calls):
+                            t0 = time.perf_counter()
+                            await loop.run_in_executor(thread, once)
+                            times.append(time.perf_counter() - t0)
+
+                    asyncio.run(run_loop())
+                    thread.shutdown()
+                else:
+                    held = []
+                    for k in range(calls):
+                        t0 = time.perf_counter()
+                        try:
+                            out = ray.get(compiled.execute(x, x), timeout=30)
+                        except Exception as exc:
+                            raise RuntimeError(
+                                f"execution {k + 1}: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                            ) from None
+                        times.append(time.perf_counter() - t0)
+                        if form == "held":
+                            held[:] = [out]  # the last result stays alive: the next hangs
+                        del out
             finally:
                 compiled.teardown()
         return {

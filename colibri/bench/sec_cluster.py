@@ -4,11 +4,14 @@ A synthetic OLMoE-1B-7B-shaped Q4_0 store (tools/synth_store.py: real layer shap
 in quick mode, 4 in full; 64 experts of 3.4 MiB, top-8) decoded greedily at batch 1 by the
 single-process engine and by the same engine with --cluster on a `ray.cluster_utils.Cluster`
 of 2 nodes on this machine (head + 1; one expert owner each, every record cached on its
-owner, the coordinator keeping attention and routing). Rounds are interleaved; medians
-quoted. Figures: decode tok/s of both and their ratio (target: the cluster within 1.5x of the
-single-process time), the per-layer round trip of the owners' calls and its overhead over the
-slowest owner's own time (target <= 1 ms), bytes on the wire per token, and whether the
-tokens are identical. On paper: GLM-5 (744B, tools/synth_store.py's shape) on 2, 4 and 8
+owner, the coordinator keeping attention and routing), its layer calls going through the
+Ray Compiled Graph ("cluster") or as plain actor calls ("cluster-plain", the same engine with
+ClusterExperts.use_graph off). Rounds are interleaved; medians quoted. Figures: decode tok/s
+and the ratio to the single process (target: the cluster within 1.5x of the single-process
+time), the per-layer round trip of the owners' calls and its overhead over the slowest
+owner's own time (target <= 1 ms), Ray's floor in the same run (a no-op plain actor call and
+a no-op 2-node compiled graph execution, one f32 row each), bytes on the wire per token, and
+whether the tokens are identical. On paper: GLM-5 (744B, tools/synth_store.py's shape) on 2, 4 and 8
 nodes with NVMe and 25 / 100 GbE, from colibri/cluster/plan.py's bounds with the measured
 per-layer overhead.
 """
@@ -46,19 +49,21 @@ def _wire(engine: Any) -> tuple[int, float, float, int]:
     return n, c.round_trip_ms * n, c.overhead_ms * n, c.bytes_sent + c.bytes_received
 
 
-DECODE: list[tuple[int, float, float, int]] = []  # cluster decode-only deltas of _wire
+# cluster decode-only deltas of _wire, by transport ("cluster": compiled graph, "cluster-plain")
+DECODE: dict[str, list[tuple[int, float, float, int]]] = {}
 
 
-async def _decode(engine: Any, n: int) -> tuple[list[int], float]:
+async def _decode(engine: Any, n: int, mode: str = "cluster") -> tuple[list[int], float]:
     """(greedy tokens, seconds per decoded token) of one sequence: PROMPT, then n tokens.
-    Appends the decode steps' _wire delta to DECODE for a cluster engine."""
+    Appends the decode steps' _wire delta to DECODE[mode] for a cluster engine."""
     seq = engine.new_sequence()
     logits = await engine.forward(seq, PROMPT)
     before = _wire(engine)
     out, seconds, _ = await bench_decode.timed_greedy(engine, seq, logits, n)
     dt = seconds / n
     if engine.cluster is not None:
-        DECODE.append(tuple(a - b for a, b in zip(_wire(engine), before, strict=True)))  # type: ignore[arg-type]
+        delta = tuple(a - b for a, b in zip(_wire(engine), before, strict=True))
+        DECODE.setdefault(mode, []).append(delta)  # type: ignore[arg-type]
     return out, dt
 
 
@@ -88,6 +93,40 @@ def _ray_floor(ray: Any, node_id: str, calls: int = 200) -> float:
 
     times = asyncio.run(run())
     ray.kill(a)
+    return 1000 * float(np.median(times))
+
+
+def _graph_floor(ray: Any, node_ids: list[str], calls: int = 200) -> float:
+    """Median ms of one execution of a compiled graph over a no-op sync actor on each of
+    `node_ids` (an f32 [1, 2048] row to each), driven as client.py does (results dropped
+    before the next execution)."""
+    from ray.dag import InputNode, MultiOutputNode
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, x: Any) -> Any:
+            return x
+
+    actors = [
+        Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+        for n in node_ids
+    ]
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.echo.bind(inp[i]) for i, a in enumerate(actors)])
+    compiled = dag.experimental_compile()
+    x = np.zeros((1, 2048), dtype=np.float32)
+    times = []
+    try:
+        ray.get(compiled.execute(*[x] * len(actors)), timeout=180)  # warm-up: 3-12 s here
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            ray.get(compiled.execute(*[x] * len(actors)), timeout=60)
+            times.append(time.perf_counter() - t0)
+    finally:
+        compiled.teardown()
+        for a in actors:
+            ray.kill(a)
     return 1000 * float(np.median(times))
 
 
@@ -143,23 +182,30 @@ def run(ctx: Context) -> Section:
         remote = loop.run_until_complete(remote_cm.__aenter__())
         try:
             ref, _ = loop.run_until_complete(_decode(local, n))  # warm-up: every record read
+            graph = loop.run_until_complete(remote.cluster.wait_graph())
             got, _ = loop.run_until_complete(_decode(remote, n))
+            remote.cluster.use_graph = False
+            got_plain, _ = loop.run_until_complete(_decode(remote, n, "cluster-plain"))
             DECODE.clear()
 
-            def timed(engine: Any):
+            def timed(engine: Any, mode: str = "single"):
                 def f() -> float:
-                    _, sec = loop.run_until_complete(_decode(engine, n))
+                    if engine.cluster is not None:
+                        engine.cluster.use_graph = mode == "cluster"
+                    _, sec = loop.run_until_complete(_decode(engine, n, mode))
                     return 1 / sec
 
                 return f
 
-            rounds = interleave(
-                {"single": timed(local), "cluster": timed(remote)},
-                ctx.rounds,
-                ctx.log,
-            )
+            modes = {
+                "single": timed(local),
+                "cluster": timed(remote, "cluster"),
+                "cluster-plain": timed(remote, "cluster-plain"),
+            }
+            rounds = interleave(modes, ctx.rounds, ctx.log)
             after = remote.statistics(components=False).cluster
             floor = _ray_floor(ray, after.owners[1].node_id)
+            graph_floor = _graph_floor(ray, [o.node_id for o in after.owners])
         finally:
             loop.run_until_complete(remote_cm.__aexit__(None, None, None))
             loop.run_until_complete(local_cm.__aexit__(None, None, None))
@@ -167,32 +213,69 @@ def run(ctx: Context) -> Section:
         loop.close()
         ray.shutdown()
         cluster.shutdown()
-    single, clustered = median(rounds["single"]), median(rounds["cluster"])
-    calls, rt, over, wire = (sum(d[i] for d in DECODE) for i in range(4))
-    rt_ms, over_ms = rt / max(calls, 1), over / max(calls, 1)
-    per_token = wire / max(1, n * len(DECODE))  # decode steps only (not the prompt's)
+    single = median(rounds["single"])
+    figures = {}
+    for mode in ("cluster", "cluster-plain"):
+        calls, rt, over, wire = (sum(d[i] for d in DECODE.get(mode, [])) for i in range(4))
+        tok_s = median(rounds[mode])
+        figures[mode] = {
+            "tok_s": tok_s,
+            "ratio": single / tok_s if single and tok_s else None,
+            "round_trip_ms": rt / max(calls, 1),
+            "overhead_ms": over / max(calls, 1),
+            # decode steps only (not the prompt's)
+            "wire_per_token": wire / max(1, n * len(DECODE.get(mode, []))),
+        }
+    f, fp = figures["cluster"], figures["cluster-plain"]
+    over_ms, per_token, ratio = f["overhead_ms"], f["wire_per_token"], f["ratio"]
     owners = [
         (o.index, o.node_id[:8], o.records, o.calls, o.mean_ms, o.max_ms, o.busy_ms, o.errors)
         for o in after.owners
     ]
     glm_md, glm = _glm5_table(over_ms)
-    ratio = single / clustered if single and clustered else None
+
+    def x(v: float | None) -> str:
+        return f"{v:.2f}x" if v is not None else "n/a"
+
     md = "\n\n".join(
         [
             f"Store: `{store.name}` ({layers} MoE layers, batch 1, {n} decode tokens a pass, "
             f"{ctx.rounds} interleaved rounds, kernel threads {ctx.threads}); the 2 Ray nodes "
-            "and the coordinator share this machine's cores.",
+            f"and the coordinator share this machine's cores. Compiled graph: {graph}.",
             table(
-                ["engine", "decode tok/s", "ms/token"],
                 [
-                    ("single process", single, 1000 / single if single else None),
-                    ("2-node cluster", clustered, 1000 / clustered if clustered else None),
+                    "engine",
+                    "decode tok/s",
+                    "ms/token",
+                    "x single time",
+                    "round trip ms",
+                    "overhead ms",
+                ],
+                [
+                    ("single process", single, 1000 / single if single else None, None, None, None),
+                    *(
+                        (
+                            f"2-node cluster, {label}",
+                            figures[m]["tok_s"],
+                            1000 / figures[m]["tok_s"] if figures[m]["tok_s"] else None,
+                            figures[m]["ratio"],
+                            figures[m]["round_trip_ms"],
+                            figures[m]["overhead_ms"],
+                        )
+                        for m, label in (
+                            ("cluster", "compiled graph"),
+                            ("cluster-plain", "plain actor calls"),
+                        )
+                    ),
                 ],
             ),
-            f"Tokens identical: **{got == ref}**. Cluster decode time / single-process: "
-            f"**{ratio:.2f}x** (target <= 1.5x). Per MoE layer: round trip {rt_ms:.2f} ms, "
-            f"overhead over the slowest owner's own time **{over_ms:.2f} ms** (target <= 1 ms; "
-            f"a no-op Ray actor call with one row takes {floor:.2f} ms here, Ray's floor). "
+            f"Tokens identical: **{got == ref and got_plain == ref}** (both transports). "
+            f"Cluster decode time / single-process: **{x(ratio)}** with the compiled graph, "
+            f"{x(fp['ratio'])} with plain calls (target <= 1.5x). Per MoE layer: round trip "
+            f"{f['round_trip_ms']:.2f} ms, overhead over the slowest owner's own time "
+            f"**{over_ms:.2f} ms** (target <= 1 ms; plain calls {fp['overhead_ms']:.2f} ms). "
+            f"Ray's floor in this run: a no-op plain actor call with one row "
+            f"{floor:.2f} ms, a no-op 2-node compiled graph execution {graph_floor:.2f} ms. "
             f"Bytes on the wire: **{per_token / 1024:.1f} KiB per token** ({layers} layers; "
             "f32 rows out, top-k weighted outputs back).",
             table(
@@ -212,12 +295,16 @@ def run(ctx: Context) -> Section:
     ]
     data = {
         "store": str(store),
+        "graph": graph,
         "single_tok_s": rounds["single"],
         "cluster_tok_s": rounds["cluster"],
-        "identical": got == ref,
-        "round_trip_ms": rt_ms,
+        "cluster_plain_tok_s": rounds["cluster-plain"],
+        "identical": got == ref and got_plain == ref,
+        "round_trip_ms": f["round_trip_ms"],
         "ray_noop_call_ms": floor,
+        "ray_noop_graph_ms": graph_floor,
         "overhead_ms": over_ms,
+        "plain": fp,
         "wire_nbytes_per_token": per_token,
         "owners": [list(o) for o in owners],
         "glm5": glm,

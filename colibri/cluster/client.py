@@ -13,9 +13,31 @@ groups the batch's (row, slot) pairs by owner, sends each owner the rows it need
 scatters the returned outputs into per-slot arrays that the pipeline sums in the fixed slot
 order: the tokens are those of one machine, whatever the shard map.
 
+Transport: a layer whose calls are small (decode: at most GRAPH_ROWS rows an owner, fitting the
+channel buffers) goes to every owner at once through one Ray Compiled Graph (ray.dag
+InputNode -> each owner's ffn_graph -> MultiOutputNode, `experimental_compile`); the rest
+(prefill, the graph not built yet, busy or broken) goes as plain actor calls, one per owner, in
+parallel. A no-op round trip to 2 owners on 2 local nodes (tools/ray_round_trip.py) takes
+0.8-1.5 ms through a graph against 2.7-4 ms as plain calls on this machine lightly loaded; at
+a load average of 16 on its 2 cores both take several ms. The graph is built once GRAPH_AFTER
+small layer calls went plain (or wait_graph() asks), so a short run never compiles one; it is
+driven from one dedicated thread (`compiled.execute` and `ray.get` block; the coroutine awaits
+the thread's future), and on the actor its method is sync: Ray runs it on the actor's
+`_ray_system` thread, and it hands the work to the actor's event loop (where the plain calls
+and the owner's IO stack live) with asyncio.run_coroutine_threadsafe. Two rules of Compiled
+Graphs make it work (https://docs.ray.io/en/latest/ray-core/compiled-graph/troubleshooting.html):
+numpy results are zero-copy views of the channel's buffer, and the next execution waits until
+the last one's arrays are gone, so the thread copies every result array before the next call
+(keeping them hung the earlier 2-node probes at their second execution, RayChannelTimeoutError,
+then a raylet check failure at teardown); and the first execution after compiling takes up to
+~12 s on a loaded machine (more than RAY_CGRAPH_get_timeout's 10 s), so the graph is compiled
+and warmed up in the background while plain calls serve.
+
 Failures: an owner whose actor dies fails the layer's call with a ColibriError naming the owner
-and its node (the request that needed it ends with it); Ray restarts the actor, and the next
-call first waits for it to answer again (or, if its node left, starts it on another node).
+and its node (the request that needed it ends with it); the compiled graph is torn down; Ray
+restarts the actor, and the next call first waits for it to answer again (or, if its node left,
+starts it on another node); a new graph over the owners as they are now follows after
+GRAPH_AFTER more small calls.
 """
 
 from __future__ import annotations
@@ -24,6 +46,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +57,10 @@ from colibri.cluster.placement import place
 from colibri.errors import ColibriError
 
 RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
+GRAPH_ROWS = 16  # rows an owner's share of a layer may have to go through the compiled graph
+GRAPH_AFTER = 64  # small layer calls (plain) before the graph is built: short runs never pay
+GRAPH_TIMEOUT = 300.0  # seconds one compiled-graph execution may take (cold reads included)
+GRAPH_WARMUP_TIMEOUT = 180.0  # seconds the first execution after compiling may take
 
 
 @dataclass(frozen=True)
@@ -69,7 +96,10 @@ class ClusterStatistics:
     """layer_calls: MoE layers sent out; round_trip_ms: mean wall time of a layer's calls
     (submit to the last answer); overhead_ms: its mean excess over the slowest owner's own
     time (serialization, scheduling, network); bytes_sent / bytes_received: array bytes over
-    all owners; owners: OwnerStatistics each."""
+    all owners; owners: OwnerStatistics each. graph_calls: the layer calls that went through
+    the compiled graph (the rest were plain actor calls); graph: its state, "off" (not asked
+    for), "waiting" (built after GRAPH_AFTER small calls), "building", "ready", or
+    "failed: <why>" (plain calls only)."""
 
     layer_calls: int
     round_trip_ms: float
@@ -77,6 +107,8 @@ class ClusterStatistics:
     bytes_sent: int
     bytes_received: int
     owners: tuple[OwnerStatistics, ...] = field(default=())
+    graph_calls: int = 0
+    graph: str = "off"
 
 
 class _Owner:
@@ -104,9 +136,28 @@ def _owner_actor_class() -> Any:
     class ExpertOwnerActor:
         def __init__(self, path: str, options: dict[str, Any]) -> None:
             self.owner = ExpertOwner(path, **options)
+            self.loop: asyncio.AbstractEventLoop | None = None
 
         async def open(self) -> dict[str, Any]:
+            self.loop = asyncio.get_running_loop()  # the loop ffn_graph hands its work to
             return await self.owner.open()
+
+        def ffn_graph(self, call: tuple[int, list | None, Any] | None) -> Any:
+            """The compiled graph's node (sync: Ray runs it on its _ray_system thread).
+            call: None (nothing for this owner this layer), (layer, parts, predicted) as
+            ffn, or (layer, None, (next layer, experts)) to prefetch only. Returns None,
+            ffn's (outs, counts), or the str of the error it raised (a value, so the graph
+            itself stays healthy)."""
+            if call is None:
+                return None
+            if self.loop is None:
+                return "the owner was not opened before the compiled graph ran"
+            layer, parts, predicted = call
+            work = self.prefetch(*predicted) if parts is None else self.ffn(layer, parts, predicted)
+            try:
+                return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+            except Exception as exc:  # the owner's own error, sent back as a value
+                return str(exc) or type(exc).__name__
 
         async def ffn(self, layer: int, parts: list, predicted: Any) -> Any:
             t0 = time.perf_counter()
@@ -123,6 +174,79 @@ def _owner_actor_class() -> Any:
     return ExpertOwnerActor
 
 
+class _Graph:
+    """One Ray Compiled Graph over every owner's ffn_graph (InputNode -> one node per owner
+    -> MultiOutputNode), compiled, warmed up, executed and torn down on `thread` (one
+    ThreadPoolExecutor worker shared by every graph of a ClusterExperts, so a graph's teardown
+    ends before the next one compiles: an actor runs one compiled graph at a time).
+    buffer_nbytes: each channel's buffer; calls whose arrays would not fit go as plain calls
+    (a cross-node channel is never resized)."""
+
+    def __init__(self, handles: list[Any], buffer_nbytes: int, thread: ThreadPoolExecutor) -> None:
+        self.buffer_nbytes, self.thread = buffer_nbytes, thread
+        self.compiled: Any = None
+        self.ready = self.busy = False
+        self.error: str | None = None
+        self.executions = 0
+        thread.submit(self._compile, handles)
+
+    @property
+    def state(self) -> str:
+        return f"failed: {self.error}" if self.error else "ready" if self.ready else "building"
+
+    def _compile(self, handles: list[Any]) -> None:
+        try:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                dag = MultiOutputNode([h.ffn_graph.bind(inp[o]) for o, h in enumerate(handles)])
+            self.compiled = dag.experimental_compile(_buffer_size_bytes=self.buffer_nbytes)
+            self._execute([None] * len(handles), GRAPH_WARMUP_TIMEOUT)  # up to ~12 s here
+            self.ready = True
+        except Exception as exc:  # plain actor calls serve on
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._teardown()
+
+    def _execute(self, calls: list[Any], timeout: float) -> list[Any]:
+        """One execution (on the graph's thread): each owner's answer, its arrays copied out
+        of the channel (a zero-copy array still alive blocks the next execution)."""
+        import ray
+
+        refs = self.compiled.execute(*calls)
+        answers = ray.get(refs, timeout=timeout)
+        self.executions += 1
+        out = []
+        for a in answers:
+            if isinstance(a, tuple):
+                outs, counts = a
+                a = ([np.array(x, copy=True) for x in outs], dict(counts))
+            out.append(a)
+        del answers
+        return out
+
+    async def run(self, calls: list[Any]) -> list[Any]:
+        """Execute once with each owner's call (None: nothing for it); each owner's answer.
+        Raises Ray's errors (an owner died, a timeout): the graph is then unusable."""
+        self.busy = True
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.thread, self._execute, calls, GRAPH_TIMEOUT)
+        finally:
+            self.busy = False
+
+    def _teardown(self) -> None:
+        compiled, self.compiled = self.compiled, None
+        self.ready = False
+        if compiled is not None:
+            with contextlib.suppress(Exception):  # a graph an owner's death broke
+                compiled.teardown()
+
+    def close(self) -> Any:
+        """Tear the graph down on its thread (a concurrent.futures.Future)."""
+        self.ready = False
+        return self.thread.submit(self._teardown)
+
+
 class ClusterExperts:
     """The expert-FFN provider over Ray actors (see the module docstring); made by
     open_cluster_experts(). `shard`: int32 [num_layers, num_experts] owner of each record."""
@@ -130,16 +254,69 @@ class ClusterExperts:
     prefetch: bool
 
     def __init__(
-        self, owners: list[_Owner], shard: np.ndarray, prefetch: bool, ray_owned: bool, spawn: Any
+        self,
+        owners: list[_Owner],
+        shard: np.ndarray,
+        prefetch: bool,
+        ray_owned: bool,
+        spawn: Any,
+        graph_buffer_nbytes: int = 0,
     ) -> None:
         self._owners, self.shard, self.prefetch = owners, shard, prefetch
         self._ray_owned, self._spawn = ray_owned, spawn
         for o in owners:
             o.records = int((shard == o.index).sum())
-        self.layer_calls = 0
+        self.layer_calls = self.graph_calls = 0
         self.round_trip_seconds = self.overhead_seconds = 0.0
         self.restart_timeout = RESTART_TIMEOUT
         self._closed = False
+        # the compiled graph (0: plain actor calls only), rebuilt after an owner comes back
+        self.graph_buffer_nbytes = graph_buffer_nbytes
+        self._graph_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="colibri-cgraph")
+            if graph_buffer_nbytes
+            else None
+        )
+        self._graph: _Graph | None = None
+        self._graph_error: str | None = None
+        self.use_graph = True  # False: plain calls even with the graph ready (benchmarks)
+        self._small_calls = 0  # small layer calls gone plain while there was no graph
+
+    def _build_graph(self) -> None:
+        """Start building the graph (in the background) unless there is one, it is off, or
+        an owner is down."""
+        if (
+            self._graph is None
+            and self._graph_thread is not None
+            and not self._closed
+            and not any(o.down for o in self._owners)
+        ):
+            self._graph = _Graph(self.handles(), self.graph_buffer_nbytes, self._graph_thread)
+
+    def _drop_graph(self) -> None:
+        if self._graph is not None:
+            self._graph_error = self._graph.error
+            self._graph.close()
+            self._graph = None
+
+    async def wait_graph(self, timeout: float = GRAPH_WARMUP_TIMEOUT + 60) -> str:
+        """Build the compiled graph now if it is not (GRAPH_AFTER not reached yet) and wait
+        until it is ready (or failed); its state (see ClusterStatistics.graph). Layers are
+        served by plain calls meanwhile."""
+        self._build_graph()
+        deadline = time.monotonic() + timeout
+        while self._graph is not None and self._graph.state == "building":
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        return self.graph_state()
+
+    def graph_state(self) -> str:
+        if self._graph is not None:
+            return self._graph.state
+        if self._graph_thread is None:
+            return "off"
+        return f"failed: {self._graph_error}" if self._graph_error else "waiting"
 
     @property
     def num_owners(self) -> int:
@@ -183,19 +360,32 @@ class ClusterExperts:
             ex = np.asarray(experts, dtype=np.int64)
             by = self.shard[nxt][ex]
             guesses = {o: (nxt, ex[by == o].tolist()) for o in np.unique(by).tolist()}
-        for o, guess in guesses.items():
-            if o not in work and not self._owners[o].down:
-                self._owners[o].handle.prefetch.remote(*guess)  # nothing to wait for
+        parts = {o: [p for _, _, p in items] for o, items in work.items()}
+        graph = self._graph
         t0 = time.perf_counter()
-        calls = [
-            self._call(o, layer, [p for _, _, p in items], guesses.get(o))
-            for o, items in work.items()
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        if (
+            self.use_graph
+            and graph is not None
+            and graph.ready
+            and not graph.busy
+            and self._fits(parts, graph)
+        ):
+            results: list[Any] = await self._graph_call(graph, layer, parts, guesses)
+        else:
+            for o, guess in guesses.items():
+                if o not in work and not self._owners[o].down:
+                    self._owners[o].handle.prefetch.remote(*guess)  # nothing to wait for
+            calls = [self._call(o, layer, parts[o], guesses.get(o)) for o in work]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            if error is not None:
+                raise error
+            small = all(sum(len(h) for h, _, _ in ps) <= GRAPH_ROWS for ps in parts.values())
+            if graph is None and self._graph_thread is not None and small:
+                self._small_calls += 1
+                if self._small_calls >= GRAPH_AFTER:
+                    self._build_graph()
         wall = time.perf_counter() - t0
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            raise error
         busy = 0.0
         for items, (outs, call_seconds) in zip(work.values(), results, strict=True):
             busy = max(busy, call_seconds)
@@ -206,6 +396,86 @@ class ClusterExperts:
         self.round_trip_seconds += wall
         self.overhead_seconds += max(0.0, wall - busy)
         return slots
+
+    def _fits(self, parts: dict[int, list[tuple[np.ndarray, ...]]], graph: _Graph) -> bool:
+        """Whether every owner's share goes through the graph: at most GRAPH_ROWS rows, its
+        arrays (and the outputs coming back) well inside the channel buffer."""
+        room = graph.buffer_nbytes - (16 << 10)  # pickle framing, the counts dict
+        for ps in parts.values():
+            if sum(len(h) for h, _, _ in ps) > GRAPH_ROWS:
+                return False
+            sent = sum(a.nbytes + 256 for p in ps for a in p)
+            back = sum(int((ids >= 0).sum()) * h.shape[1] * 4 + 256 for h, ids, _ in ps)
+            if max(sent, back) > room:
+                return False
+        return True
+
+    async def _graph_call(
+        self,
+        graph: _Graph,
+        layer: int,
+        parts: dict[int, list[tuple[np.ndarray, ...]]],
+        guesses: dict[int, tuple[int, list[int]]],
+    ) -> list[tuple[list[np.ndarray], float]]:
+        """One compiled-graph execution: the owners of `parts` compute, the others only
+        prefetch their guesses. The answers of parts' owners, in parts' order."""
+        calls: list[Any] = []
+        for o in range(len(self._owners)):
+            if o in parts:
+                calls.append((layer, parts[o], guesses.get(o)))
+            elif o in guesses:
+                calls.append((layer, None, guesses[o]))
+            else:
+                calls.append(None)
+        t0 = time.perf_counter()
+        try:
+            answers = await graph.run(calls)
+        except Exception as exc:
+            self._drop_graph()
+            owner = await self._dead_owner(exc)
+            if owner is None:
+                raise ColibriError(
+                    f"the compiled graph of the expert owners failed during MoE layer {layer} "
+                    f"({type(exc).__name__}): this request is failed; the next one uses plain "
+                    "calls until it is rebuilt"
+                ) from None
+            owner.errors += 1
+            owner.down = True
+            raise ColibriError(
+                f"expert owner {owner.index} on node {owner.node} failed during MoE layer "
+                f"{layer} ({type(exc).__name__}): this request is failed; Ray restarts the "
+                "owner and the next request waits for it"
+            ) from None
+        dt = time.perf_counter() - t0
+        self.graph_calls += 1
+        results = []
+        for o in parts:
+            answer = answers[o]
+            owner = self._owners[o]
+            if isinstance(answer, str):
+                owner.errors += 1
+                raise ColibriError(f"expert owner {o} on node {owner.node}: {answer}")
+            outs, counts = answer
+            results.append((outs, self._account(owner, dt, parts[o], outs, counts)))
+        return results
+
+    async def _dead_owner(self, exc: BaseException) -> _Owner | None:
+        """The owner whose actor a compiled-graph error names (RayActorError.actor_id), or,
+        when it names none, the first that does not answer or answers from a new process;
+        None if all are well."""
+        actor_id = getattr(exc, "actor_id", None)
+        for owner in self._owners:
+            if actor_id and owner.handle._actor_id.hex() == actor_id:
+                return owner
+        refs = [o.handle.open.remote() for o in self._owners]
+        for owner, ref in zip(self._owners, refs, strict=True):
+            try:
+                info = await asyncio.wait_for(ref, 10)
+            except Exception:
+                return owner
+            if info["pid"] != owner.pid:
+                return owner
+        return None
 
     async def _call(
         self, o: int, layer: int, parts: list[tuple[np.ndarray, ...]], guess: Any
@@ -219,6 +489,7 @@ class ClusterExperts:
         except _gone(ray) as exc:
             owner.errors += 1
             owner.down = True
+            self._drop_graph()
             raise ColibriError(
                 f"expert owner {o} on node {owner.node} failed during MoE layer {layer} "
                 f"({type(exc).__name__}): this request is failed; Ray restarts the owner and "
@@ -227,7 +498,17 @@ class ClusterExperts:
         except ray.exceptions.RayTaskError as exc:
             owner.errors += 1
             raise ColibriError(f"expert owner {o} on node {owner.node}: {exc.cause}") from None
-        dt = time.perf_counter() - t0
+        return outs, self._account(owner, time.perf_counter() - t0, parts, outs, counts)
+
+    def _account(
+        self,
+        owner: _Owner,
+        dt: float,
+        parts: list[tuple[np.ndarray, ...]],
+        outs: list[np.ndarray],
+        counts: dict[str, Any],
+    ) -> float:
+        """Count one answered call of `owner` (dt seconds round trip); its own busy time."""
         owner.calls += 1
         owner.seconds += dt
         owner.last_seconds = dt
@@ -239,7 +520,7 @@ class ClusterExperts:
         if counts:
             owner.counts = counts
             owner.pid = counts.get("pid", owner.pid)
-        return outs, busy
+        return busy
 
     async def _revive(self) -> None:
         """Wait for every owner that failed to answer again (Ray restarts its actor); an
@@ -275,6 +556,7 @@ class ClusterExperts:
             owner.pid = info["pid"]
             owner.restarts += 1
             owner.down = False
+            self._small_calls = 0  # a new graph over the owners as they are now, later
 
     def counts(self) -> dict[str, Any]:
         """The owners' expert cache counts (ExpertCache.counts() keys) summed, as each owner
@@ -318,6 +600,8 @@ class ClusterExperts:
             bytes_sent=sum(o.bytes_sent for o in owners),
             bytes_received=sum(o.bytes_received for o in owners),
             owners=owners,
+            graph_calls=self.graph_calls,
+            graph=self.graph_state(),
         )
 
     async def aclose(self) -> None:
@@ -328,6 +612,13 @@ class ClusterExperts:
         self._closed = True
         import ray
 
+        if self._graph is not None:
+            done = self._graph.close()
+            self._graph = None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.wrap_future(done), 60)
+        if self._graph_thread is not None:
+            self._graph_thread.shutdown(wait=False)
         for owner in self._owners:
             with contextlib.suppress(Exception):  # a dead owner has nothing left to close
                 await asyncio.wait_for(owner.handle.aclose.remote(), 10)
@@ -365,6 +656,7 @@ def open_cluster_experts(
     verify: bool = True,
     prefetch: bool = True,
     queue_depth: int = 32,
+    compiled_graph: bool = True,
 ) -> ClusterExperts:
     """Connect to the Ray cluster at `address` ("auto": the running one; a "host:port"; or
     an address already joined by ray.init), start the expert owners and wait until each has
@@ -378,6 +670,8 @@ def open_cluster_experts(
     expert cache bytes (None: every record of its store that fits in half its node's
     memory). threads, activations, pad: the owners' kernels (activations and pad must be
     the coordinator's). io, policy, verify, prefetch, queue_depth: the owners' IO stacks.
+    compiled_graph: send small layer calls (decode) through a Ray Compiled Graph, built in
+    the background (False: plain actor calls only; see the module docstring).
     Raises ColibriError when Ray is not installed, the cluster cannot be reached, or an
     owner cannot open its store.
     """
@@ -446,7 +740,6 @@ def open_cluster_experts(
             store.layout.record_nbytes,
             popularity=popularity,
         )
-    experts = ClusterExperts(owners, shard, prefetch, ray_owned, spawn)
     try:
         infos = ray.get([o.handle.open.remote() for o in owners])
     except ray.exceptions.RayTaskError as exc:
@@ -457,4 +750,8 @@ def open_cluster_experts(
         raise ColibriError(f"--cluster: an expert owner cannot start: {exc.cause}") from None
     for o, info in zip(owners, infos, strict=True):
         o.pid = info["pid"]
-    return experts
+    spec = model_spec(store.config)
+    # a channel holds GRAPH_ROWS rows in, their top_k outputs back, and the framing
+    nbytes = GRAPH_ROWS * (spec.moe.router.top_k + 1) * spec.d_model * 4 + (256 << 10)
+    nbytes = nbytes if compiled_graph else 0
+    return ClusterExperts(owners, shard, prefetch, ray_owned, spawn, graph_buffer_nbytes=nbytes)
