@@ -149,3 +149,23 @@ def test_part_timer_splits_a_real_prefill(tmp_path):
     assert split["routed experts"] > 0 and split["attention core (QK^T, softmax, PV)"] > 0
     assert split["attention (projections, norm, RoPE)"] > 0 and split["LM head"] > 0
     assert (model.Model.expert_ffn, model.Model.attention, ops.attention) == before
+
+
+def test_best_peer_takes_the_fastest_peer_per_figure():
+    """Decode and each prefill size are compared with whichever peer is fastest at that figure;
+    colibri's own rows are never a peer."""
+    med = {
+        "llama.cpp": {"tg": 40.0, "pp": 300.0, "pp_by_n": {64: 300.0, 512: 1200.0}},
+        "ik_llama.cpp (-rtr 1)": {"tg": 38.0, "pp": 500.0, "pp_by_n": {64: 500.0, 512: None}},
+        "colibri (q8_0 activations)": {"tg": 99.0, "pp": 999.0, "pp_by_n": {64: 999.0}},
+    }
+    peer, names = sec_llama.best_peer(med)
+    assert peer == {"tg": 40.0, "pp": 500.0, "pp_by_n": {64: 500.0, 512: 1200.0}}
+    assert names == {"tg": "llama.cpp", "pp": "ik_llama.cpp (-rtr 1)",
+                     64: "ik_llama.cpp (-rtr 1)", 512: "llama.cpp"}  # fmt: skip
+    assert sec_llama.best_peer(
+        {"colibri (f32 activations)": med["colibri (q8_0 activations)"]}
+    ) == (
+        {"tg": None, "pp": None, "pp_by_n": {}},
+        {},
+    )

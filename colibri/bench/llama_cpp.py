@@ -50,8 +50,23 @@ def llama_bin_dir() -> Path:
     return Path(res.stdout.strip())
 
 
-def _exe(name: str) -> str:
-    path = llama_bin_dir() / name
+def ik_llama_bin_dir() -> Path | None:
+    """Directory holding ik_llama.cpp's llama-bench (github.com/ikawrakow/ik_llama.cpp, the
+    second CPU peer of issue 23): $COLIBRI_IK_LLAMA_CPP_BIN, else the cached build of
+    tools/build_ik_llama_cpp.sh; None when neither exists (it is never built by CI)."""
+    env = os.environ.get("COLIBRI_IK_LLAMA_CPP_BIN")
+    if env:
+        return Path(env) if (Path(env) / "llama-bench").is_file() else None
+    res = subprocess.run(
+        ["bash", str(ROOT / "tools/build_ik_llama_cpp.sh"), "--print"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    path = Path(res.stdout.strip())
+    return path if res.returncode == 0 and (path / "llama-bench").is_file() else None
+
+
+def _exe(name: str, bindir: Path | None = None) -> str:
+    path = (bindir or llama_bin_dir()) / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: rebuild with tools/build_llama_cpp.sh")
     return str(path)
@@ -108,8 +123,10 @@ def run_llama_bench(
     n_gen: int = 128,
     repetitions: int = 3,
     extra: list[str] | None = None,
+    bindir: Path | None = None,
 ) -> dict[str, Any]:
-    """Prefill and decode speed of `gguf` from llama-bench's JSON output.
+    """Prefill and decode speed of `gguf` from llama-bench's JSON output (the llama-bench in
+    `bindir`, default llama.cpp's; ik_llama.cpp's llama-bench takes the same options and JSON).
 
     Runs `llama-bench -m GGUF -t threads -p n_prompt -n n_gen -r repetitions -o json` (one pp
     test per prompt size in n_prompt, one tg test generating n_gen tokens after an empty
@@ -119,7 +136,7 @@ def run_llama_bench(
     "model_n_params", "cmd"}. A side is None when its count is 0.
     Raises FileNotFoundError (no build), subprocess.CalledProcessError (llama-bench failed)."""
     sizes = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
-    cmd = [_exe("llama-bench"), "-m", str(gguf), "-t", str(threads), "-p",
+    cmd = [_exe("llama-bench", bindir), "-m", str(gguf), "-t", str(threads), "-p",
            ",".join(str(n) for n in sizes), "-n", str(n_gen), "-r", str(repetitions), "-o",
            "json", *(extra or [])]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
