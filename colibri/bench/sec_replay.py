@@ -315,6 +315,11 @@ def _plots(ctx: Context, offline: list[dict], rows: list[dict], disk: dict) -> l
     return figs
 
 
+def _horizon_name(n: int, layers: int) -> str:
+    """A lookahead of n steps in words: online, the next layer, or tokens."""
+    return "online" if n == 0 else "next layer" if n == 1 else f"{n / layers:g} tok"
+
+
 def run(ctx: Context) -> Section:
     """The replay section (see the module docstring)."""
     trace = load_mixtral_jsonl(TRACE)
@@ -417,10 +422,7 @@ def run(ctx: Context) -> Section:
             [
                 "budget (records)",
                 "Belady",
-                *[
-                    f"N = {n}" + (f" ({n / trace.num_layers:g} tok)" if n else " (online)")
-                    for n in horizons
-                ],
+                *[f"N = {n} ({_horizon_name(n, trace.num_layers)})" for n in horizons],
             ],
             [
                 [r["capacity"], r["belady"], *[f"{r[f'lookahead={n}']:.3f}" for n in horizons]]
