@@ -234,7 +234,8 @@ def run(ctx: Context) -> Section:
             "wire_per_token": wire / max(1, n * len(DECODE.get(mode, []))),
         }
     f, fp, fa = figures["cluster"], figures["cluster-plain"], figures["cluster-auto"]
-    over_ms, per_token, ratio = f["overhead_ms"], f["wire_per_token"], f["ratio"]
+    # the headlines: the default transport (auto)
+    over_ms, per_token, ratio = fa["overhead_ms"], fa["wire_per_token"], fa["ratio"]
     owners = [
         (o.index, o.node_id[:8], o.records, o.calls, o.mean_ms, o.max_ms, o.busy_ms, o.errors)
         for o in after.owners
@@ -278,11 +279,12 @@ def run(ctx: Context) -> Section:
                 ],
             ),
             f"Tokens identical: **{got == ref and got_plain == ref}** (both transports). "
-            f"Cluster decode time / single-process: **{x(ratio)}** with the compiled graph, "
-            f"{x(fp['ratio'])} with plain calls, {x(fa['ratio'])} auto (target <= 1.5x). "
-            "Per MoE layer: round trip "
-            f"{f['round_trip_ms']:.2f} ms, overhead over the slowest owner's own time "
-            f"**{over_ms:.2f} ms** (target <= 1 ms; plain calls {fp['overhead_ms']:.2f} ms). "
+            f"Cluster decode time / single-process: **{x(ratio)}** auto (the default), "
+            f"{x(f['ratio'])} with the compiled graph, {x(fp['ratio'])} with plain calls "
+            "(target <= 1.5x). Per MoE layer, auto: round trip "
+            f"{fa['round_trip_ms']:.2f} ms, overhead over the slowest owner's own time "
+            f"**{over_ms:.2f} ms** (target <= 1 ms; compiled graph {f['overhead_ms']:.2f} ms, "
+            f"plain calls {fp['overhead_ms']:.2f} ms). "
             f"Ray's floor in this run: a no-op plain actor call with one row "
             f"{floor:.2f} ms, a no-op 2-node compiled graph execution {graph_floor:.2f} ms. "
             f"Bytes on the wire: **{per_token / 1024:.1f} KiB per token** ({layers} layers; "
@@ -308,8 +310,10 @@ def run(ctx: Context) -> Section:
         "single_tok_s": rounds["single"],
         "cluster_tok_s": rounds["cluster"],
         "cluster_plain_tok_s": rounds["cluster-plain"],
+        "cluster_auto_tok_s": rounds["cluster-auto"],
         "identical": got == ref and got_plain == ref,
-        "round_trip_ms": f["round_trip_ms"],
+        "round_trip_ms": fa["round_trip_ms"],
+        "graph_figures": f,
         "ray_noop_call_ms": floor,
         "ray_noop_graph_ms": graph_floor,
         "overhead_ms": over_ms,
