@@ -264,9 +264,15 @@ def test_compiled_graph_serves_decode_bit_identical_and_is_rebuilt_after_a_kill(
         async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
             experts = engine.cluster
             assert await experts.wait_graph() == "ready"
+            experts.transport = "graph"  # every small call through the graph
             before = experts.statistics().graph_calls
             got = await decode(engine)
             graphed = experts.statistics().graph_calls - before
+            experts.transport = "auto"  # each transport measured, the cheaper one taken
+            auto = await decode(engine)
+            st = experts.statistics()
+            assert st.graph_overhead_ms > 0 and st.plain_overhead_ms > 0
+            experts.transport = "graph"
             with pytest.raises(ColibriError, match=r"expert owner 1 on node .* failed during MoE"):
                 seq = engine.new_sequence()
                 await engine.forward(seq, PROMPT)
@@ -278,10 +284,11 @@ def test_compiled_graph_serves_decode_bit_identical_and_is_rebuilt_after_a_kill(
             assert await experts.wait_graph() == "ready"
             before = experts.statistics().graph_calls
             rebuilt = await decode(engine)
-            return got, graphed, again, rebuilt, experts.statistics().graph_calls - before
+            return got, auto, graphed, again, rebuilt, experts.statistics().graph_calls - before
 
-    (g_tokens, g_logits), graphed, again, rebuilt, regraphed = asyncio.run(main())
+    (g_tokens, g_logits), auto, graphed, again, rebuilt, regraphed = asyncio.run(main())
     assert g_tokens == tokens and np.array_equal(g_logits, logits)
+    assert auto[0] == tokens and np.array_equal(auto[1], logits)
     assert graphed >= N_TOKENS * moe_layers  # every decode step went through the graph
     assert again[0] == tokens and np.array_equal(again[1], logits)
     assert rebuilt[0] == tokens and np.array_equal(rebuilt[1], logits)

@@ -171,3 +171,27 @@ def test_shard_balances_by_a_trace_and_respects_budgets(tmp_path):
     assert out.returncode == 0, out.stderr
     held = [len(open_store(tmp_path / "b" / f"node-{k}").records) for k in range(2)]
     assert held == [5, len(store.records) - 5]
+
+
+def test_auto_transport_takes_the_cheaper_and_probes_the_other():
+    """ClusterExperts.transport "auto": each transport measured once, then the one with the
+    lower moving mean overhead, the slower tried again every PROBE_EVERY small calls."""
+    from colibri.cluster import client
+
+    experts = client.ClusterExperts([], np.zeros((1, 4), np.int32), False, False, None)
+    assert experts.statistics().graph == "off"
+    assert experts._pick_graph()  # nothing measured: the graph first
+    experts._cost["graph"] = 0.004
+    assert not experts._pick_graph()  # then plain once
+    experts._cost["plain"] = 0.002
+    picks = [experts._pick_graph() for _ in range(3 * client.PROBE_EVERY)]
+    assert picks.count(True) == 3  # the slower graph only as a probe
+    assert all(not p for i, p in enumerate(picks) if (i + 1) % client.PROBE_EVERY)
+    experts._cost["graph"] = 0.001
+    assert experts._pick_graph()
+    experts.transport = "plain"
+    assert not experts._pick_graph()
+    experts.transport = "graph"
+    assert experts._pick_graph()
+    st = experts.statistics()
+    assert st.graph_overhead_ms == 1.0 and st.plain_overhead_ms == 2.0

@@ -1,19 +1,19 @@
 """Section "cluster": experts sharded over a local multi-node Ray cluster (issue 19).
 
-A synthetic OLMoE-1B-7B-shaped Q4_0 store (tools/synth_store.py: real layer shapes, 2 layers
-in quick mode, 4 in full; 64 experts of 3.4 MiB, top-8) decoded greedily at batch 1 by the
-single-process engine and by the same engine with --cluster on a `ray.cluster_utils.Cluster`
-of 2 nodes on this machine (head + 1; one expert owner each, every record cached on its
-owner, the coordinator keeping attention and routing), its layer calls going through the
-Ray Compiled Graph ("cluster") or as plain actor calls ("cluster-plain", the same engine with
-ClusterExperts.use_graph off). Rounds are interleaved; medians quoted. Figures: decode tok/s
-and the ratio to the single process (target: the cluster within 1.5x of the single-process
-time), the per-layer round trip of the owners' calls and its overhead over the slowest
-owner's own time (target <= 1 ms), Ray's floor in the same run (a no-op plain actor call and
-a no-op 2-node compiled graph execution, one f32 row each), bytes on the wire per token, and
-whether the tokens are identical. On paper: GLM-5 (744B, tools/synth_store.py's shape) on 2, 4 and 8
-nodes with NVMe and 25 / 100 GbE, from colibri/cluster/plan.py's bounds with the measured
-per-layer overhead.
+A synthetic OLMoE-1B-7B-shaped Q4_0 store (tools/synth_store.py: real layer shapes, 2 layers in
+quick mode, 4 in full; 64 experts of 3.4 MiB, top-8) decoded greedily at batch 1 by the
+single-process engine and by the same engine with --cluster on a `ray.cluster_utils.Cluster` of
+2 nodes on this machine (head + 1; one expert owner each, every record cached on its owner, the
+coordinator keeping attention and routing), its layer calls going through the Ray Compiled
+Graph ("cluster"), as plain actor calls ("cluster-plain"), or by whichever of the two is
+measured cheaper ("cluster-auto", the default; ClusterExperts.transport). Rounds are
+interleaved; medians quoted. Figures: decode tok/s and the ratio to the single process (target:
+the cluster within 1.5x of the single-process time), the per-layer round trip of the owners'
+calls and its overhead over the slowest owner's own time (target <= 1 ms), Ray's floor in the
+same run (a no-op plain actor call and a no-op 2-node compiled graph execution, one f32 row
+each), bytes on the wire per token, and whether the tokens are identical. On paper: GLM-5
+(744B, tools/synth_store.py's shape) on 2, 4 and 8 nodes with NVMe and 25 / 100 GbE, from
+colibri/cluster/plan.py's bounds with the measured per-layer overhead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ PROMPT = list(range(100, 116))
 GLM5 = dict(moe_layers=75, top_k=8, d_model=6144, record_nbytes=3 * 6144 * 2048 * 18 // 32,
             experts=75 * 256, dense_touched_nbytes=9 << 30)  # fmt: skip
 GLM5_DISK_GBPS, GLM5_MEMORY_GBPS = 6.0, 200.0
+TRANSPORT = {"cluster": "graph", "cluster-plain": "plain", "cluster-auto": "auto"}
 
 
 def _wire(engine: Any) -> tuple[int, float, float, int]:
@@ -49,7 +50,8 @@ def _wire(engine: Any) -> tuple[int, float, float, int]:
     return n, c.round_trip_ms * n, c.overhead_ms * n, c.bytes_sent + c.bytes_received
 
 
-# cluster decode-only deltas of _wire, by transport ("cluster": compiled graph, "cluster-plain")
+# cluster decode-only deltas of _wire, by mode ("cluster": compiled graph, "cluster-plain",
+# "cluster-auto")
 DECODE: dict[str, list[tuple[int, float, float, int]]] = {}
 
 
@@ -184,14 +186,14 @@ def run(ctx: Context) -> Section:
             ref, _ = loop.run_until_complete(_decode(local, n))  # warm-up: every record read
             graph = loop.run_until_complete(remote.cluster.wait_graph())
             got, _ = loop.run_until_complete(_decode(remote, n))
-            remote.cluster.use_graph = False
+            remote.cluster.transport = "plain"
             got_plain, _ = loop.run_until_complete(_decode(remote, n, "cluster-plain"))
             DECODE.clear()
 
             def timed(engine: Any, mode: str = "single"):
                 def f() -> float:
                     if engine.cluster is not None:
-                        engine.cluster.use_graph = mode == "cluster"
+                        engine.cluster.transport = TRANSPORT[mode]
                     _, sec = loop.run_until_complete(_decode(engine, n, mode))
                     return 1 / sec
 
@@ -201,6 +203,7 @@ def run(ctx: Context) -> Section:
                 "single": timed(local),
                 "cluster": timed(remote, "cluster"),
                 "cluster-plain": timed(remote, "cluster-plain"),
+                "cluster-auto": timed(remote, "cluster-auto"),
             }
             rounds = interleave(modes, ctx.rounds, ctx.log)
             after = remote.statistics(components=False).cluster
@@ -215,7 +218,7 @@ def run(ctx: Context) -> Section:
         cluster.shutdown()
     single = median(rounds["single"])
     figures = {}
-    for mode in ("cluster", "cluster-plain"):
+    for mode in TRANSPORT:
         calls, rt, over, wire = (sum(d[i] for d in DECODE.get(mode, [])) for i in range(4))
         tok_s = median(rounds[mode])
         figures[mode] = {
@@ -226,8 +229,9 @@ def run(ctx: Context) -> Section:
             # decode steps only (not the prompt's)
             "wire_per_token": wire / max(1, n * len(DECODE.get(mode, []))),
         }
-    f, fp = figures["cluster"], figures["cluster-plain"]
-    over_ms, per_token, ratio = f["overhead_ms"], f["wire_per_token"], f["ratio"]
+    f, fp, fa = figures["cluster"], figures["cluster-plain"], figures["cluster-auto"]
+    # the headlines: the default transport (auto)
+    over_ms, per_token, ratio = fa["overhead_ms"], fa["wire_per_token"], fa["ratio"]
     owners = [
         (o.index, o.node_id[:8], o.records, o.calls, o.mean_ms, o.max_ms, o.busy_ms, o.errors)
         for o in after.owners
@@ -265,15 +269,18 @@ def run(ctx: Context) -> Section:
                         for m, label in (
                             ("cluster", "compiled graph"),
                             ("cluster-plain", "plain actor calls"),
+                            ("cluster-auto", "auto (default)"),
                         )
                     ),
                 ],
             ),
             f"Tokens identical: **{got == ref and got_plain == ref}** (both transports). "
-            f"Cluster decode time / single-process: **{x(ratio)}** with the compiled graph, "
-            f"{x(fp['ratio'])} with plain calls (target <= 1.5x). Per MoE layer: round trip "
-            f"{f['round_trip_ms']:.2f} ms, overhead over the slowest owner's own time "
-            f"**{over_ms:.2f} ms** (target <= 1 ms; plain calls {fp['overhead_ms']:.2f} ms). "
+            f"Cluster decode time / single-process: **{x(ratio)}** auto (the default), "
+            f"{x(f['ratio'])} with the compiled graph, {x(fp['ratio'])} with plain calls "
+            "(target <= 1.5x). Per MoE layer, auto: round trip "
+            f"{fa['round_trip_ms']:.2f} ms, overhead over the slowest owner's own time "
+            f"**{over_ms:.2f} ms** (target <= 1 ms; compiled graph {f['overhead_ms']:.2f} ms, "
+            f"plain calls {fp['overhead_ms']:.2f} ms). "
             f"Ray's floor in this run: a no-op plain actor call with one row "
             f"{floor:.2f} ms, a no-op 2-node compiled graph execution {graph_floor:.2f} ms. "
             f"Bytes on the wire: **{per_token / 1024:.1f} KiB per token** ({layers} layers; "
@@ -299,12 +306,15 @@ def run(ctx: Context) -> Section:
         "single_tok_s": rounds["single"],
         "cluster_tok_s": rounds["cluster"],
         "cluster_plain_tok_s": rounds["cluster-plain"],
+        "cluster_auto_tok_s": rounds["cluster-auto"],
         "identical": got == ref and got_plain == ref,
-        "round_trip_ms": f["round_trip_ms"],
+        "round_trip_ms": fa["round_trip_ms"],
+        "graph_figures": f,
         "ray_noop_call_ms": floor,
         "ray_noop_graph_ms": graph_floor,
         "overhead_ms": over_ms,
         "plain": fp,
+        "auto": fa,
         "wire_nbytes_per_token": per_token,
         "owners": [list(o) for o in owners],
         "glm5": glm,

@@ -14,24 +14,27 @@ scatters the returned outputs into per-slot arrays that the pipeline sums in the
 order: the tokens are those of one machine, whatever the shard map.
 
 Transport: a layer whose calls are small (decode: at most GRAPH_ROWS rows an owner, fitting the
-channel buffers) goes to every owner at once through one Ray Compiled Graph (ray.dag
-InputNode -> each owner's ffn_graph -> MultiOutputNode, `experimental_compile`); the rest
-(prefill, the graph not built yet, busy or broken) goes as plain actor calls, one per owner, in
-parallel. A no-op round trip to 2 owners on 2 local nodes (tools/ray_round_trip.py) takes
-0.8-1.5 ms through a graph against 2.7-4 ms as plain calls on this machine lightly loaded; at
-a load average of 16 on its 2 cores both take several ms. The graph is built once GRAPH_AFTER
-small layer calls went plain (or wait_graph() asks), so a short run never compiles one; it is
-driven from one dedicated thread (`compiled.execute` and `ray.get` block; the coroutine awaits
-the thread's future), and on the actor its method is sync: Ray runs it on the actor's
-`_ray_system` thread, and it hands the work to the actor's event loop (where the plain calls
-and the owner's IO stack live) with asyncio.run_coroutine_threadsafe. Two rules of Compiled
-Graphs make it work (https://docs.ray.io/en/latest/ray-core/compiled-graph/troubleshooting.html):
-numpy results are zero-copy views of the channel's buffer, and the next execution waits until
-the last one's arrays are gone, so the thread copies every result array before the next call
-(keeping them hung the earlier 2-node probes at their second execution, RayChannelTimeoutError,
-then a raylet check failure at teardown); and the first execution after compiling takes up to
-~12 s on a loaded machine (more than RAY_CGRAPH_get_timeout's 10 s), so the graph is compiled
-and warmed up in the background while plain calls serve.
+channel buffers) goes to every owner at once through one Ray Compiled Graph (ray.dag InputNode
+-> each owner's ffn_graph -> MultiOutputNode, `experimental_compile`); the rest (prefill, the
+graph not built yet, busy or broken) goes as plain actor calls, one per owner, in parallel. A
+no-op round trip to 2 owners on 2 local nodes (tools/ray_round_trip.py) takes 0.8-1.5 ms
+through a graph against 2.7-4 ms as plain calls on this machine lightly loaded; at a load
+average of 16-22 on its 2 cores both take 2-7 ms and either may win. So which of the two a
+small call takes is measured, not assumed (`ClusterExperts.transport`, default "auto": the one
+whose moving mean overhead is lower, the other tried again every PROBE_EVERY calls). The graph
+is built once GRAPH_AFTER small layer calls went plain (or wait_graph() asks), so a short run
+never compiles one; it is driven from one dedicated thread (`compiled.execute` and `ray.get`
+block; the coroutine awaits the thread's future), and on the actor its method is sync: Ray runs
+it on the actor's `_ray_system` thread, and it hands the work to the actor's event loop (where
+the plain calls and the owner's IO stack live) with asyncio.run_coroutine_threadsafe. Two rules
+of Compiled Graphs make it work
+(https://docs.ray.io/en/latest/ray-core/compiled-graph/troubleshooting.html): numpy results are
+zero-copy views of the channel's buffer, and the next execution waits until the last one's
+arrays are gone, so the thread copies every result array before the next call (keeping them
+hung the earlier 2-node probes at their second execution, RayChannelTimeoutError, then a raylet
+check failure at teardown); and the first execution after compiling takes 3-17 s on a
+loaded machine (more than RAY_CGRAPH_get_timeout's 10 s), so the graph is compiled and warmed
+up in the background while plain calls serve.
 
 Failures: an owner whose actor dies fails the layer's call with a ColibriError naming the owner
 and its node (the request that needed it ends with it); the compiled graph is torn down; Ray
@@ -59,6 +62,8 @@ from colibri.errors import ColibriError
 RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
 GRAPH_ROWS = 16  # rows an owner's share of a layer may have to go through the compiled graph
 GRAPH_AFTER = 64  # small layer calls (plain) before the graph is built: short runs never pay
+PROBE_EVERY = 32  # small layer calls between two tries of the transport measured slower
+COST_ALPHA = 0.1  # weight of the newest call in each transport's moving mean overhead
 GRAPH_TIMEOUT = 300.0  # seconds one compiled-graph execution may take (cold reads included)
 GRAPH_WARMUP_TIMEOUT = 180.0  # seconds the first execution after compiling may take
 
@@ -99,7 +104,8 @@ class ClusterStatistics:
     all owners; owners: OwnerStatistics each. graph_calls: the layer calls that went through
     the compiled graph (the rest were plain actor calls); graph: its state, "off" (not asked
     for), "waiting" (built after GRAPH_AFTER small calls), "building", "ready", or
-    "failed: <why>" (plain calls only)."""
+    "failed: <why>" (plain calls only). graph_overhead_ms / plain_overhead_ms: the moving
+    mean overhead of the small calls by each transport (what "auto" picks by; 0: none yet)."""
 
     layer_calls: int
     round_trip_ms: float
@@ -109,6 +115,8 @@ class ClusterStatistics:
     owners: tuple[OwnerStatistics, ...] = field(default=())
     graph_calls: int = 0
     graph: str = "off"
+    graph_overhead_ms: float = 0.0
+    plain_overhead_ms: float = 0.0
 
 
 class _Owner:
@@ -201,7 +209,7 @@ class _Graph:
             with InputNode() as inp:
                 dag = MultiOutputNode([h.ffn_graph.bind(inp[o]) for o, h in enumerate(handles)])
             self.compiled = dag.experimental_compile(_buffer_size_bytes=self.buffer_nbytes)
-            self._execute([None] * len(handles), GRAPH_WARMUP_TIMEOUT)  # up to ~12 s here
+            self._execute([None] * len(handles), GRAPH_WARMUP_TIMEOUT)  # 3-17 s here
             self.ready = True
         except Exception as exc:  # plain actor calls serve on
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -279,7 +287,12 @@ class ClusterExperts:
         )
         self._graph: _Graph | None = None
         self._graph_error: str | None = None
-        self.use_graph = True  # False: plain calls even with the graph ready (benchmarks)
+        # "auto": each small layer call by the transport whose mean overhead (wall time over
+        # the slowest owner's own) is lower, the other tried every PROBE_EVERY calls;
+        # "graph": the graph whenever it is ready; "plain": plain calls only
+        self.transport = "auto"
+        self._cost: dict[str, float] = {}  # transport: moving mean overhead, seconds
+        self._since_probe = 0
         self._small_calls = 0  # small layer calls gone plain while there was no graph
 
     def _build_graph(self) -> None:
@@ -363,13 +376,9 @@ class ClusterExperts:
         parts = {o: [p for _, _, p in items] for o, items in work.items()}
         graph = self._graph
         t0 = time.perf_counter()
-        if (
-            self.use_graph
-            and graph is not None
-            and graph.ready
-            and not graph.busy
-            and self._fits(parts, graph)
-        ):
+        usable = graph is not None and graph.ready and not graph.busy and self._fits(parts, graph)
+        via = "graph" if usable and self._pick_graph() else "plain"
+        if via == "graph":
             results: list[Any] = await self._graph_call(graph, layer, parts, guesses)
         else:
             for o, guess in guesses.items():
@@ -395,7 +404,24 @@ class ClusterExperts:
         self.layer_calls += 1
         self.round_trip_seconds += wall
         self.overhead_seconds += max(0.0, wall - busy)
+        if usable:  # a call either transport could have made: its cost, for _pick_graph
+            old = self._cost.get(via)
+            over = max(0.0, wall - busy)
+            self._cost[via] = over if old is None else old + COST_ALPHA * (over - old)
         return slots
+
+    def _pick_graph(self) -> bool:
+        """Whether a small layer call goes through the (ready) graph; see `transport`."""
+        if self.transport != "auto":
+            return self.transport == "graph"
+        graph, plain = self._cost.get("graph"), self._cost.get("plain")
+        if graph is None or plain is None:
+            return graph is None  # measure each once
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:  # try the slower one again
+            self._since_probe = 0
+            return graph > plain
+        return graph <= plain
 
     def _fits(self, parts: dict[int, list[tuple[np.ndarray, ...]]], graph: _Graph) -> bool:
         """Whether every owner's share goes through the graph: at most GRAPH_ROWS rows, its
@@ -602,6 +628,8 @@ class ClusterExperts:
             owners=owners,
             graph_calls=self.graph_calls,
             graph=self.graph_state(),
+            graph_overhead_ms=1000 * self._cost.get("graph", 0.0),
+            plain_overhead_ms=1000 * self._cost.get("plain", 0.0),
         )
 
     async def aclose(self) -> None:
