@@ -108,6 +108,8 @@ def test_prefill_breakdown_names_the_parts_where_colibri_is_slower():
             "other (Python, gathers, residual sums, thread hand-offs) 100 ms (10%)."
             in lines[0])  # fmt: skip
     assert "router" not in lines[0]  # parts that took no time are left out
+    with_rate = sec_llama.prefill_breakdown(runs, {512: 1024.0}, (512,), "colibri", 10**9)
+    assert with_rate[0].endswith("The routed experts ran at 853 GMAC/s (wall).\n")  # 512/0.6
     # no peer: every size is explained
     assert len(sec_llama.prefill_breakdown(runs, {}, (64, 512), "colibri")) == 2
     assert sec_llama.pp_at(runs[0], 512) == 512.0

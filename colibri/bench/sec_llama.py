@@ -134,12 +134,14 @@ def prefill_breakdown(
     peer: dict[int, float],
     sizes: Sequence[int],
     name: str,
+    expert_macs_per_token: int = 0,
     peer_names: dict[Any, str] | None = None,
 ) -> list[str]:
     """Markdown lines saying where colibri's prefill time goes (the last run's PartTimer
     split, `name`'s runs) at each size where it is slower than the peer's tok/s (peer:
     {size: tok/s}, named by peer_names[size], default "llama.cpp"; every size when the peer
-    did not run)."""
+    did not run). expert_macs_per_token: the routed experts' multiply-adds per token (all
+    layers, top-k), to state their GMAC/s (0: not)."""
     r = runs[-1] if runs else {}
     out = []
     for n in sizes:
@@ -150,8 +152,13 @@ def prefill_breakdown(
         who = (peer_names or {}).get(n, "llama.cpp")
         versus = (f"; {who} takes {n / peer[n] * 1e3:.0f} ms "
                   f"({x['tok_s'] / peer[n]:.2f}×)" if peer.get(n) else "")  # fmt: skip
+        rate = ""
+        if expert_macs_per_token and x["breakdown_s"].get("routed experts"):
+            gmacs = expert_macs_per_token * n / x["breakdown_s"]["routed experts"] / 1e9
+            rate = f" The routed experts ran at {gmacs:.0f} GMAC/s (wall)."
+        split = breakdown_line(x["breakdown_s"], n)
         out.append(f"Where colibri's {n}-token prefill time goes ({name}, last round, "
-                   f"{ms:.0f} ms{versus}): {breakdown_line(x['breakdown_s'], n)}.\n")  # fmt: skip
+                   f"{ms:.0f} ms{versus}): {split}.{rate}\n")  # fmt: skip
     return out
 
 
@@ -408,15 +415,23 @@ def ensure_model(
 
 
 def store_figures(store_path: Path) -> dict[str, Any]:
-    """Sizes of a store: total/dense/record bytes and active weight bytes per token."""
+    """Sizes of a store: total/dense/record bytes, active weight bytes per token and the
+    routed experts' multiply-adds per token (Mixtral's config fields)."""
     from colibri.io.format import open_store, tensor_nbytes
 
     st = open_store(store_path)
     cfg = st.config
     dense = {n: tensor_nbytes(i["qtype"], i["shape"]) for n, i in st.manifest["dense"].items()}
     expert = sum(t.nbytes for t in st.layout.tensors.values())
+    moe_layers = len({rec.layer for rec in st.records})
     return {
         "layers": cfg["num_hidden_layers"],
+        # routed experts' multiply-adds per token: gate, up and down of top_k experts per layer
+        "expert_macs_per_token": moe_layers
+        * cfg["num_experts_per_tok"]
+        * 3
+        * cfg["hidden_size"]
+        * cfg["intermediate_size"],
         "store_nbytes": sum(dense.values()) + len(st.records) * st.layout.record_nbytes,
         "dense_nbytes": sum(dense.values()),
         "record_nbytes": st.layout.record_nbytes,
@@ -612,7 +627,8 @@ def run(ctx: Context) -> Section:
                   f"with whatever else runs (load average at the start is in the machine "
                   f"record).\n")  # fmt: skip
         md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
-                                vname[variants[0]], peer_names)  # fmt: skip
+                                vname[variants[0]], sf["expert_macs_per_token"],
+                                peer_names)  # fmt: skip
     data["fits"] = fits
     panels: list[dict[str, Any]] = []
     if fits.get("medians"):
