@@ -13,7 +13,8 @@
   reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer);
   windows are fed side by side in batched forwards too.
 
-Log-softmax runs in float64 on the engine's f32 logits.
+Log-probabilities are float64: a target's f32 logit minus its row's log-sum-exp
+(ops.logsumexp: exps in f32, their sums in f64).
 """
 
 from __future__ import annotations
@@ -25,23 +26,23 @@ from typing import Any
 
 import numpy as np
 
+from colibri.compute import ops
 from colibri.eval.data import EvalError
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis of f32 logits [..., vocab]."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    """float64 log-softmax over the last axis of f32 logits [..., vocab]: x - logsumexp(x)
+    (ops.logsumexp: the row's max, the exps in f32, their sums in f64)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    return x.astype(np.float64) - ops.logsumexp(x)[..., None]
 
 
 def target_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """float64 log-softmax(logits[i])[targets[i]] for f32 logits [n, vocab] and int targets
-    [n]: the log-sum-exp per row in float64, without the full log-softmax array."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1)
-    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
-    return x[np.arange(len(targets)), targets] - lse
+    [n]: the target's logit minus the row's log-sum-exp (ops.logsumexp, one pass in C over
+    both threads), without a log-softmax array."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    return x[np.arange(len(targets)), targets].astype(np.float64) - ops.logsumexp(x)
 
 
 def added_bos(tokenizer: Any) -> int | None:
