@@ -140,40 +140,40 @@ static void mm_f32_tiled(float *y, int64_t ldy, const uint8_t *wb, int64_t row_n
     int64_t xb = (256 << 10) / (cols * 4) / MM_F32_RX * MM_F32_RX;
     if (xb < MM_F32_RX) xb = MM_F32_RX;
     for (int64_t i0 = 0; i0 < n; i0 += xb) {
-    const int64_t i1 = i0 + xb < n ? i0 + xb : n;
-    for (int64_t t0 = r0; t0 < r1; t0 += tr) {
-        const int64_t t1 = t0 + tr < r1 ? t0 + tr : r1;
-        for (int64_t i = i0; i < i1; i += MM_F32_RX) {
-            const int RX = i1 - i < MM_F32_RX ? (int)(i1 - i) : MM_F32_RX;
-            for (int64_t r = t0; r < t1; r += MM_F32_RW) {
-                const int RW = t1 - r < MM_F32_RW ? (int)(t1 - r) : MM_F32_RW;
-                __m512 v[16];
-                for (int k = 0; k < 16; k++) v[k] = _mm512_setzero_ps();
-                const float *wr = w + r * ldw, *xi = x + i * ldx;
+        const int64_t i1 = i0 + xb < n ? i0 + xb : n;
+        for (int64_t t0 = r0; t0 < r1; t0 += tr) {
+            const int64_t t1 = t0 + tr < r1 ? t0 + tr : r1;
+            for (int64_t i = i0; i < i1; i += MM_F32_RX) {
+                const int RX = i1 - i < MM_F32_RX ? (int)(i1 - i) : MM_F32_RX;
+                for (int64_t r = t0; r < t1; r += MM_F32_RW) {
+                    const int RW = t1 - r < MM_F32_RW ? (int)(t1 - r) : MM_F32_RW;
+                    __m512 v[16];
+                    for (int k = 0; k < 16; k++) v[k] = _mm512_setzero_ps();
+                    const float *wr = w + r * ldw, *xi = x + i * ldx;
 #define MM_F32_CASE(A, B) \
     case (A) * 4 + (B): mm_f32_tile(wr, ldw, xi, ldx, nblk, A, B, v); break;
-                switch (RX * 4 + RW) {
-                MM_F32_CASE(4, 3) MM_F32_CASE(4, 2) MM_F32_CASE(4, 1)
-                MM_F32_CASE(3, 3) MM_F32_CASE(3, 2) MM_F32_CASE(3, 1)
-                MM_F32_CASE(2, 3) MM_F32_CASE(2, 2) MM_F32_CASE(2, 1)
-                MM_F32_CASE(1, 3) MM_F32_CASE(1, 2) MM_F32_CASE(1, 1)
-                default: break;
-                }
-#undef MM_F32_CASE
-                float s[16];
-                _mm512_storeu_ps(s, mm_f32_reduce16(v));
-                for (int a = 0; a < RX; a++)
-                    for (int b = 0; b < RW; b++) {
-                        const int64_t row = r + b;
-                        float t = s[MM_F32_LANE[a * RW + b]];
-                        t = t + (bias ? bias[row] : 0.0f);
-                        if (scale) t *= scale[i + a];
-                        float *yp = y + (i + a) * ldy + row;
-                        *yp = accumulate ? *yp + t : t;
+                    switch (RX * 4 + RW) {
+                    MM_F32_CASE(4, 3) MM_F32_CASE(4, 2) MM_F32_CASE(4, 1)
+                    MM_F32_CASE(3, 3) MM_F32_CASE(3, 2) MM_F32_CASE(3, 1)
+                    MM_F32_CASE(2, 3) MM_F32_CASE(2, 2) MM_F32_CASE(2, 1)
+                    MM_F32_CASE(1, 3) MM_F32_CASE(1, 2) MM_F32_CASE(1, 1)
+                    default: break;
                     }
+#undef MM_F32_CASE
+                    float s[16];
+                    _mm512_storeu_ps(s, mm_f32_reduce16(v));
+                    for (int a = 0; a < RX; a++)
+                        for (int b = 0; b < RW; b++) {
+                            const int64_t row = r + b;
+                            float t = s[MM_F32_LANE[a * RW + b]];
+                            t = t + (bias ? bias[row] : 0.0f);
+                            if (scale) t *= scale[i + a];
+                            float *yp = y + (i + a) * ldy + row;
+                            *yp = accumulate ? *yp + t : t;
+                        }
+                }
             }
         }
-    }
     }
 }
 
