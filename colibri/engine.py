@@ -472,14 +472,19 @@ class Engine:
         tokens: Seq[Seq[int]],
         all_logits: Seq[bool] = (),
         logits_from: Seq[int] = (),
+        targets: Seq[Seq[int] | None] = (),
     ) -> list[np.ndarray]:
         """forward() of several sequences in one batched pass (Pipeline.forward_batch: the
         union of their experts read once, every expert run over each sequence's rows; in
         the default split batch mode each sequence's logits are bit-identical to a forward()
         of it alone). tokens[s]: the next tokens of seqs[s] (non-empty); all_logits[s] /
         logits_from[s] as forward()'s (default False / 0). Returns one array per sequence,
-        f32 [vocab_size] or [len(tokens[s]) - logits_from[s], vocab_size]. Raises
-        ColibriError as forward() does, naming the sequence's index in the batch."""
+        f32 [vocab_size] or [len(tokens[s]) - logits_from[s], vocab_size]; where
+        targets[s] is given (with all_logits[s]: one token id per row from logits_from[s]
+        on) instead the log-probabilities of those tokens, float64 [len(tokens[s]) -
+        logits_from[s]] (log-softmax of row t at targets[s][t]; scoring without the
+        [rows, vocab] logits: colibri/eval). Raises ColibriError as forward() does, naming
+        the sequence's index in the batch."""
         if len(tokens) != len(seqs) or len(set(map(id, seqs))) != len(seqs):
             raise ColibriError("forward_batch: one list of tokens per distinct sequence")
         full = list(all_logits) + [False] * (len(seqs) - len(all_logits))
@@ -504,7 +509,26 @@ class Engine:
                     f"(vocab_size {vocab})"
                 )
             batch.append((ids, seq.kv))
-        out = await self.pipeline.forward_batch(batch, full, first)
+        tgts: list[np.ndarray | None] = []
+        for i, t in enumerate(list(targets) + [None] * (len(seqs) - len(targets))):
+            if t is None:
+                tgts.append(None)
+                continue
+            tg = np.asarray(t, dtype=np.int64)
+            want = len(batch[i][0]) - first[i]
+            if not full[i] or tg.shape != (want,):
+                raise ColibriError(
+                    f"sequence {i}: targets need all_logits and one token id per row "
+                    f"({want}), got {tg.size}"
+                )
+            if tg.size and (tg.min() < 0 or tg.max() >= vocab):
+                bad = int(tg[(tg < 0) | (tg >= vocab)][0])
+                raise ColibriError(
+                    f"sequence {i}: target id {bad} is outside the model's vocabulary "
+                    f"(vocab_size {vocab})"
+                )
+            tgts.append(tg)
+        out = await self.pipeline.forward_batch(batch, full, first, tgts)
         for seq, toks in zip(seqs, tokens, strict=True):
             seq.tokens.extend(int(t) for t in toks)
         return out

@@ -27,9 +27,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from colibri.compute import ops
 from colibri.model import KVCache, Model
 
 T = TypeVar("T")
+# scoring (forward_batch's targets): the output head runs on blocks of rows holding at most
+# this many bytes of logits
+HEAD_BLOCK_NBYTES = 16 << 20
 
 
 @dataclass
@@ -51,6 +55,9 @@ class _Step:
     pos0: list[int]  # each sequence's first position
     want: list[bool]  # all_logits per sequence
     first: list[int]  # logits_from per sequence
+    # per sequence None, or the token ids int64 [n_s - first] whose log-probabilities to
+    # return instead of logits (scoring)
+    targets: list[np.ndarray | None] = field(default_factory=list)
     xs: list[np.ndarray] = field(default_factory=list)  # hidden states f32 [n_s, d_model]
     stacked: np.ndarray | None = None  # fused batches: every row; xs are views into it
     tokens: list[np.ndarray] = field(default_factory=list)  # token ids int64 [n_s]
@@ -166,6 +173,7 @@ class Pipeline:
         batch: Sequence[tuple[np.ndarray, KVCache]],
         all_logits: Sequence[bool] = (),
         logits_from: Sequence[int] = (),
+        targets: Sequence[np.ndarray | None] = (),
     ) -> list[np.ndarray]:
         """One forward pass over several sequences: batch[s] = (tokens int [n_s], kv_s), the
         next n_s positions of sequence s (a decode token, or a chunk of its prompt).
@@ -180,10 +188,13 @@ class Pipeline:
 
         Returns per sequence the last token's logits f32 [vocab_size], or where all_logits[s]
         is true those of its tokens from logits_from[s] (default 0) on, f32
-        [n_s - logits_from[s], vocab_size] (the output head runs on those rows only).
-        Raises ValueError when a sequence's tokens do not fit in its context. Cancelling
-        stops between expert loads and releases every record it holds (the KV caches are then
-        partly written).
+        [n_s - logits_from[s], vocab_size] (the output head runs on those rows only); where
+        targets[s] is also given (int [n_s - logits_from[s]]) instead the log-probabilities
+        float64 [n_s - logits_from[s]] of targets[s][t] under row t: the head runs on
+        blocks of rows (_target_logprobs), so the [rows, vocab] logits of a long span are
+        never held at once. Raises ValueError when a sequence's tokens do not fit in its
+        context. Cancelling stops between expert loads and releases every record it holds (the
+        KV caches are then partly written).
         """
         pos0 = []
         for tokens, kv in batch:
@@ -197,7 +208,8 @@ class Pipeline:
             self.prefetcher.new_token()
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
         first = list(logits_from) + [0] * (len(batch) - len(logits_from))
-        step = _Step([kv for _, kv in batch], pos0, want, first)
+        tgts = list(targets) + [None] * (len(batch) - len(targets))
+        step = _Step([kv for _, kv in batch], pos0, want, first, tgts)
         step.tokens = [np.asarray(t, dtype=np.int64) for t, _ in batch]
         if self.prefetcher is not None and self.prefetcher.enabled and self._hash_layers:
             every = np.concatenate(step.tokens)
@@ -267,7 +279,7 @@ class Pipeline:
                 return _Routed(i, routed, predicted, mixes)
             self._dense_layers(i, step.xs, step.kvs, step.pos0)
         fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
-        return self._logits(step.xs, step.want, step.first, fused)
+        return self._logits(step.xs, step.want, step.first, fused, step.targets)
 
     def _embed(self, tokens: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         """Per sequence the embeddings and the per-layer inputs (None: the model has none)."""
@@ -276,21 +288,53 @@ class Pipeline:
         return xs, [self.model.per_layer_inputs(t, x) for t, x in zip(ids, xs, strict=True)]
 
     def _logits(
-        self, xs: list[np.ndarray], all_logits: list[bool], first: list[int], fused: bool
+        self,
+        xs: list[np.ndarray],
+        all_logits: list[bool],
+        first: list[int],
+        fused: bool,
+        targets: list[np.ndarray | None],
     ) -> list[np.ndarray]:
         m = self.model
+        scored = [full and t is not None for full, t in zip(all_logits, targets, strict=True)]
         if not fused:
             return [
-                m.logits(x[f:]) if full else m.logits(x[-1:])[0]
-                for x, full, f in zip(xs, all_logits, first, strict=True)
-            ]
-        rows = [x[f:] if full else x[-1:] for x, full, f in zip(xs, all_logits, first, strict=True)]
-        out, k = m.logits(np.concatenate(rows)), 0
-        result = []
-        for r, full in zip(rows, all_logits, strict=True):
-            result.append(out[k : k + len(r)] if full else out[k])
-            k += len(r)
+                self._target_logprobs(x[f:], t) if sc else m.logits(x[f:]) if full
+                else m.logits(x[-1:])[0]
+                for x, full, f, t, sc in zip(xs, all_logits, first, targets, scored, strict=True)
+            ]  # fmt: skip
+        result: list[Any] = [None] * len(xs)
+        if any(scored):  # the scored rows of every sequence together, in blocks
+            idx = [s for s, sc in enumerate(scored) if sc]
+            rows = np.concatenate([xs[s][first[s] :] for s in idx])
+            lp = self._target_logprobs(rows, np.concatenate([targets[s] for s in idx]))
+            k = 0
+            for s in idx:
+                result[s], k = lp[k : k + len(xs[s]) - first[s]], k + len(xs[s]) - first[s]
+        rest = [s for s, sc in enumerate(scored) if not sc]
+        if rest:
+            rows = [xs[s][first[s] :] if all_logits[s] else xs[s][-1:] for s in rest]
+            out, k = m.logits(np.concatenate(rows)), 0
+            for s, r in zip(rest, rows, strict=True):
+                result[s] = out[k : k + len(r)] if all_logits[s] else out[k]
+                k += len(r)
         return result
+
+    def _target_logprobs(self, x: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """log softmax(logits(x[t]))[targets[t]], float64 [n], for hidden rows x [n, ...] and
+        token ids [n]: the output head on blocks of HEAD_BLOCK_NBYTES of logits, each block's
+        target logits minus its rows' log-sum-exp (ops.logsumexp) while the block is in cache;
+        a fresh [n, vocab] array would cost its page faults, its memory traffic, and a read
+        back."""
+        m = self.model
+        block = max(4, HEAD_BLOCK_NBYTES // (4 * m.spec.vocab_size) // 4 * 4)
+        out = np.empty(len(x), np.float64)
+        for a in range(0, len(x), block):
+            logits = m.logits(np.ascontiguousarray(x[a : a + block]))
+            tg = targets[a : a + block]
+            lse = ops.logsumexp(logits, m.nthreads)
+            out[a : a + len(tg)] = logits[np.arange(len(tg)), tg] - lse
+        return out
 
     def _dense_layers(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]

@@ -123,6 +123,9 @@ int clb_rmsnorm(float *y, const float *x, const float *w, int64_t n, int64_t d, 
 int clb_rope(float *x, const int32_t *pos, const float *inv_freq, int64_t n_tokens,
              int64_t n_heads, int64_t head_dim, int64_t rot_dim, float mscale, int mode);
 int clb_softmax(float *x, int64_t n, int64_t d);                        /* rows, in place */
+/* out[r] = log(sum_i exp(x[r, i])) for the rows of x[n, d] (f64; the exps in f32, max-shifted,
+ * their sums in f64 past every 256 values); rows spread over nthreads. */
+int clb_logsumexp(double *out, const float *x, int64_t n, int64_t d, int nthreads);
 /* Per row of x[n, d]: the k largest, descending; ties broken by lowest index. */
 int clb_topk(int32_t *idx, float *val, const float *x, int64_t n, int64_t d, int64_t k);
 int clb_silu(float *y, const float *x, int64_t n);

@@ -9,6 +9,7 @@
 
 #include "colibri.h"
 #include "ops_internal.h"
+#include "pool.h"
 
 #define DISPATCH(fn, ...)                                                                    \
     do {                                                                                     \
@@ -57,6 +58,16 @@ void ops_softmax_ref(float *x, int64_t n, int64_t d) {
         for (int64_t i = 0; i < d; i++) sum += (x[i] = expf(x[i] - mx));
         const float inv = 1.0f / sum;
         for (int64_t i = 0; i < d; i++) x[i] *= inv;
+    }
+}
+
+void ops_logsumexp_ref(double *out, const float *x, int64_t n, int64_t d) {
+    for (int64_t r = 0; r < n; r++, x += d) {
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < d; i++) mx = x[i] > mx ? x[i] : mx;
+        double sum = 0.0;
+        for (int64_t i = 0; i < d; i++) sum += (double)expf(x[i] - mx);
+        out[r] = (double)mx + log(sum);
     }
 }
 
@@ -116,6 +127,28 @@ int clb_rope(float *x, const int32_t *pos, const float *inv_freq, int64_t n_toke
 int clb_softmax(float *x, int64_t n, int64_t d) {
     if (!x || n < 0 || d < 1) return CLB_EINVAL;
     DISPATCH(ops_softmax, x, n, d);
+    return CLB_OK;
+}
+
+struct lse_job {
+    double *out;
+    const float *x;
+    int64_t n, d, rows;
+};
+
+static void lse_chunk(void *ctx, int64_t c) {
+    const struct lse_job *j = ctx;
+    const int64_t r0 = c * j->rows, nr = r0 + j->rows < j->n ? j->rows : j->n - r0;
+    DISPATCH(ops_logsumexp, j->out + r0, j->x + r0 * j->d, nr, j->d);
+}
+
+int clb_logsumexp(double *out, const float *x, int64_t n, int64_t d, int nthreads) {
+    if (!out || !x || n < 0 || d < 1) return CLB_EINVAL;
+    /* chunks of ~64 KiB of x, at least one row */
+    int64_t rows = (64 << 10) / (d * 4);
+    if (rows < 1) rows = 1;
+    struct lse_job j = {out, x, n, d, rows};
+    clb_parallel_for((n + rows - 1) / rows, lse_chunk, &j, n * d >= (1 << 16) ? nthreads : 1);
     return CLB_OK;
 }
 

@@ -40,6 +40,8 @@ struct ops_attn {
 #define OPS_ATTN_HEADS 8
 #define OPS_ATTN_ENTRIES 16
 #define OPS_ATTN_KEYS 32
+/* values a block of ops_logsumexp sums in f32 lanes before adding the block to an f64 sum */
+#define OPS_LSE_BLOCK 256
 
 /* RoPE on one token's heads, for frequencies [i0, i0 + ni):
  *   NEOX: c, s [ni] = cos, sin; pairs (x[i], x[i + half]).
@@ -50,6 +52,7 @@ struct ops_attn {
     void ops_rope_##sfx(float *x, int64_t n_heads, int64_t head_dim, int64_t half,          \
                         int64_t i0, int64_t ni, const float *c, const float *s, int mode);   \
     void ops_softmax_##sfx(float *x, int64_t n, int64_t d);                                 \
+    void ops_logsumexp_##sfx(double *out, const float *x, int64_t n, int64_t d);           \
     void ops_silu_##sfx(float *y, const float *x, int64_t n);                               \
     void ops_gelu_##sfx(float *y, const float *x, int64_t n);                               \
     void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t h0,   \

@@ -475,6 +475,56 @@ async def test_forward_batch_and_fork():
             await engine.forward_batch([base.fork()], [[5] * 61])
 
 
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    """log-softmax over the last axis, in float64 throughout (numpy)."""
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_forward_batch_targets_give_the_log_softmax_at_them(batch, monkeypatch):
+    """forward_batch with targets returns log-softmax(logits)[target] per scored row (float64;
+    checked against the same engine's logits, log-softmax in float64 here) for every
+    sequence that asks, in blocks of rows smaller than the span (HEAD_BLOCK_NBYTES shrunk to
+    8 rows), beside sequences that want logits or the last row (unchanged); bad targets
+    name the sequence."""
+    from colibri import pipeline
+    from colibri.errors import ColibriError
+
+    monkeypatch.setattr(pipeline, "HEAD_BLOCK_NBYTES", 8 * 4 * 2048)  # demo vocab: 8 rows
+    rng = np.random.default_rng(3)
+    async with open_engine(DEMO, n_ctx=64, batch=batch) as engine:
+        prefix = [1, 50, 60, 70]
+        conts = [rng.integers(3, 2048, n).tolist() for n in (21, 5, 13)]
+        froms = [0, 2, 0]
+        targets = [[*c[1 + f :], 7] for c, f in zip(conts, froms, strict=True)]
+        base = engine.new_sequence()
+        await engine.forward(base, prefix)
+
+        async def run(full, tgts=()):
+            forks = [base.fork() for _ in conts]
+            return await engine.forward_batch(forks, conts, full, froms, tgts)
+
+        logits = await run([True, True, True])
+        want = [_log_softmax64(x)[np.arange(len(t)), t] for x, t in zip(logits, targets, strict=True)]  # fmt: skip  # noqa: E501
+        for g, w in zip(await run([True, True, True], targets), want, strict=True):
+            assert g.dtype == np.float64 and g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+        mixed = await run([True, True, False], [targets[0], None, None])
+        np.testing.assert_allclose(mixed[0], want[0], rtol=0, atol=1e-6)
+        plain = await run([True, True, False])
+        assert np.array_equal(mixed[1], plain[1]) and np.array_equal(mixed[2], plain[2])
+        with pytest.raises(ColibriError, match="sequence 0: targets need all_logits"):
+            await engine.forward_batch([base.fork()], [[1, 2]], [False], [0], [[3, 4]])
+        with pytest.raises(ColibriError, match=r"sequence 0: targets need .* \(2\), got 1"):
+            await engine.forward_batch([base.fork()], [[1, 2]], [True], [0], [[3]])
+        with pytest.raises(ColibriError, match="sequence 1: target id 5000"):
+            await engine.forward_batch(
+                [base.fork(), base.fork()], [[1], [2]], [True, True], [0, 0], [[3], [5000]]
+            )
+
+
 # ---- CLI, JSON and inputs -----------------------------------------------------------------
 
 

@@ -69,6 +69,32 @@ def test_matvec_1d_threads_and_buffers(isa):
     assert matmul_err(y1[None], ref.matmul(w, x[None]), x[None], w) <= MATMUL_TOL
 
 
+@pytest.mark.parametrize("cols", [32, 256, 544])
+def test_f32_rows_do_not_depend_on_their_neighbours(isa, cols):
+    """F32 weights (AVX-512: the register-tiled kernel, 4 x rows by 3 weight rows a tile):
+    each output is the same bits whatever x rows and weight rows share the call, for any
+    thread count (batch invariance), and matches numpy."""
+    if isa == ops.ISA.AVX2:
+        pytest.skip("AVX2's F32 kernel is row-invariant on calls padded to 4 rows only")
+    rng = np.random.default_rng(cols)
+    rows = 53  # neither a multiple of 3 nor of 16: every edge tile
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal((37, cols)).astype(np.float32)
+    full = ops.matmul(w, "f32", x, np.empty((37, rows), np.float32))
+    assert matmul_err(full, ref.matmul(w, x), x, w) <= MATMUL_TOL
+    for start, n in [(0, 1), (1, 2), (5, 3), (2, 4), (7, 5), (11, 9), (0, 37)]:
+        for nthreads in (1, 2):
+            y = ops.matmul(w, "f32", x[start : start + n], np.empty((n, rows), np.float32),
+                           nthreads=nthreads)  # fmt: skip
+            np.testing.assert_array_equal(y, full[start : start + n])
+    for r0, r1 in [(1, 2), (3, 40), (17, 53)]:  # other weight rows beside each row
+        part = np.ascontiguousarray(w[r0:r1])
+        y = ops.matmul(part, "f32", x, np.empty((37, r1 - r0), np.float32))
+        np.testing.assert_array_equal(y, full[:, r0:r1])
+    y = ops.matmul(w, "f32", x[4], np.empty(rows, np.float32))  # matvec
+    np.testing.assert_array_equal(y, full[4])
+
+
 def test_matmul_bad_arguments():
     w = np.zeros((4, ops.row_nbytes("q8_0", 64)), np.uint8)
     x, y = np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)

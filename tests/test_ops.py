@@ -199,6 +199,50 @@ def test_softmax_rejects_read_only():
         ops.softmax(x)
 
 
+# ---- log-sum-exp -------------------------------------------------------------------------------
+
+LSE_ATOL = 1e-6  # nats: f32 exps (about 1 ulp) of max-shifted values, their sums in f64
+
+
+def lse_ref(x: np.ndarray) -> np.ndarray:
+    """float64 log-sum-exp over the last axis, computed in float64 throughout."""
+    xd = x.astype(np.float64)
+    m = xd.max(-1, keepdims=True)
+    return (m + np.log(np.exp(xd - m).sum(-1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("d", [1, 3, 17, 255, 256, 257, 1001, 50304])
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_logsumexp(isa, d, spread):
+    rng = np.random.default_rng(d)
+    n = 3 if d > 5000 else 70  # 70 rows: several chunks, both threads
+    x = rand(rng, n, d, scale=spread)
+    got = ops.logsumexp(x)
+    assert got.dtype == np.float64 and got.shape == (n,)
+    np.testing.assert_allclose(got, lse_ref(x), rtol=0, atol=LSE_ATOL)
+    np.testing.assert_allclose(got, scalar(ops.logsumexp, x), rtol=0, atol=LSE_ATOL)
+    np.testing.assert_array_equal(ops.logsumexp(x, nthreads=1), got)  # rows independent
+    np.testing.assert_array_equal(ops.logsumexp(x[1:2]), got[1:2])
+
+
+def test_logsumexp_matches_torch(isa):
+    torch = pytest.importorskip("torch")
+    x = rand(np.random.default_rng(5), 2, 4, 999, scale=8.0)
+    want = torch.logsumexp(torch.from_numpy(x).double(), dim=-1).numpy()
+    np.testing.assert_allclose(ops.logsumexp(x), want, rtol=0, atol=LSE_ATOL)
+
+
+def test_logsumexp_masked_entries_and_bad_arguments(isa):
+    x = np.array([[0.5, -np.inf, 2.0, -np.inf, 3.0], [-np.inf] * 5], np.float32)
+    got = ops.logsumexp(x)
+    np.testing.assert_allclose(got[0], lse_ref(x[:1, [0, 2, 4]])[0], rtol=0, atol=LSE_ATOL)
+    assert np.isnan(got[1])  # an all -inf row, as softmax
+    with pytest.raises(KernelError, match="float32"):
+        ops.logsumexp(x.astype(np.float64))
+    with pytest.raises(KernelError, match="non-empty last axis"):
+        ops.logsumexp(np.zeros((2, 0), np.float32))
+
+
 # ---- top-k ------------------------------------------------------------------------------------
 # Scalar at every level (see clb_topk); run once.
 

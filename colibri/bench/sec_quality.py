@@ -203,28 +203,51 @@ async def eval_speed(
     engine.prefill_chunk chunks (as `run` prefills), eval perplexity (ctx SPEED_CTX, 4
     windows) and eval hellaswag on `docs`, both in eval's default fused batch mode and in
     split mode. Every figure counts the tokens fed to the engine per second of wall time
-    (eval's own scoring, tokenization and log-softmax included)."""
+    (eval's own scoring, tokenization and log-softmax included) and, as NAME_cpu, per CPU
+    second of the process; NAME_head is the share of those CPU seconds spent in the output
+    head (Model.logits, timed by a probe the bench installs)."""
     from colibri.engine import open_engine
     from colibri.eval.cli import eval_choice, eval_perplexity
 
     best: dict[str, float] = {}
     clock: list[float] = []
+    head = [0.0, 0.0]  # wall and CPU seconds in the output head (final norm, lm_head)
 
-    def tick() -> None:
+    def timed_head(model: Any) -> None:
+        """Count the seconds model.logits takes (the bench's own probe, not the engine's)."""
+        logits = model.logits
+
+        def probe(x: np.ndarray) -> np.ndarray:
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return logits(x)
+            finally:
+                head[0] += time.perf_counter() - w
+                head[1] += time.process_time() - c
+
+        model.logits = probe
+
+    def tick() -> None:  # the clock, and the head's seconds from now
         clock[:] = [time.perf_counter(), time.process_time()]
+        head[:] = [0.0, 0.0]
 
     def keep(name: str, tokens: int) -> None:
         """tokens per second of wall time, and (name_cpu) per CPU second of this process:
-        the figure a loaded machine disturbs least."""
+        the figure a loaded machine disturbs least; name_head: the output head's share of
+        the CPU seconds (of the round kept)."""
         wall, cpu = time.perf_counter() - clock[0], time.process_time() - clock[1]
         best[name] = max(best.get(name, 0.0), tokens / wall)
-        best[name + "_cpu"] = max(best.get(name + "_cpu", 0.0), tokens / max(cpu, 1e-9))
+        if tokens / max(cpu, 1e-9) > best.get(name + "_cpu", 0.0):
+            best[name + "_cpu"] = tokens / max(cpu, 1e-9)
+            best[name + "_head"] = head[1] / max(cpu, 1e-9)
 
     opts = dict(n_ctx=SPEED_CTX, threads=threads, budget=budget)
     async with (
         open_engine(store, batch="split", **opts) as split,
         open_engine(store, batch="fused", **opts) as fused,
     ):
+        timed_head(split.model)
+        timed_head(fused.model)
         ids = split.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) < 4 * SPEED_CTX + 2:
             raise ValueError(f"eval_speed: the text has {len(ids)} tokens, fewer than 4 windows")
@@ -280,8 +303,13 @@ def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) ->
                     fmt(r["hellaswag_fused"], 4),
                     f"{r['hellaswag_fused'] / r['prefill']:.2f}",
                     f"{r['hellaswag_split'] / r['prefill']:.2f}",
+                    fmt(r["prefill_cpu"], 4),
+                    fmt(r["ppl_fused_cpu"], 4),
                     f"{r['ppl_fused_cpu'] / r['prefill_cpu']:.2f}",
+                    f"{r['ppl_fused_head']:.0%}",
+                    fmt(r["hellaswag_fused_cpu"], 4),
                     f"{r['hellaswag_fused_cpu'] / r['prefill_cpu']:.2f}",
+                    f"{r['hellaswag_fused_head']:.0%}",
                 ]
             )
     return rows, data, n
@@ -477,9 +505,11 @@ def run(ctx: Context) -> Section:
         f"{SPEED_CTX}` (4 windows, batched; the output head runs on the scored half of every "
         f"window, which prefill skips) and `--task hellaswag` on {n_items} items (items and "
         "choices batched: prefixes once, every choice from a fork of its prefix's KV cache), "
-        "in eval's default fused batch mode, and hellaswag in split mode. The last two "
-        "columns divide tokens by the CPU seconds of the process instead of wall seconds: on "
-        "a loaded machine the steadier ratio.",
+        "in eval's default fused batch mode, and hellaswag in split mode. The columns marked "
+        "CPU s divide tokens by the CPU seconds of the process instead of wall seconds: on "
+        "a loaded machine the steadier ratio. Head share: the fraction of eval's CPU seconds "
+        "spent in the output head (final norm and lm_head, on every scored row; prefill runs "
+        "it on one row a prompt): where it is large, eval is bound below prefill by it.",
         "",
         table(
             [
@@ -491,8 +521,13 @@ def run(ctx: Context) -> Section:
                 "eval hellaswag tok/s",
                 "hellaswag / prefill",
                 "hellaswag split / prefill",
+                "prefill tok/CPU s",
+                "eval PPL tok/CPU s",
                 "PPL / prefill (CPU s)",
+                "head share PPL",
+                "eval hellaswag tok/CPU s",
                 "hellaswag / prefill (CPU s)",
+                "head share hellaswag",
             ],
             speed_rows,
         ),

@@ -766,6 +766,23 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def logsumexp(x: np.ndarray, nthreads: int = 0) -> np.ndarray:
+    """log(sum(exp(x))) over the last axis of x float32 [..., d] -> float64 [...]: the row's
+    max m plus the log of the sum of exp(x - m), the exps in f32 (Cephes' polynomial, about
+    1 ulp), summed in f32 over blocks of 256 values and the blocks in f64; rows spread over
+    nthreads (<= 0: the default). The log-softmax of a row is x - logsumexp(x) (scoring:
+    perplexity, log-likelihoods) without a second [..., d] array. A row that is all -inf
+    gives NaN. Raises KernelError on a wrong array."""
+    _arr(x, "logsumexp: x")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise KernelError(f"logsumexp: x must have a non-empty last axis, got shape {x.shape}")
+    out = np.empty(x.shape[:-1], dtype=np.float64)
+    n = x.size // x.shape[-1]
+    if lib.clb_logsumexp(_ptr(out, "double *"), _ptr(x, "float *"), n, x.shape[-1], nthreads):
+        raise KernelError(f"logsumexp: invalid arguments (shape {x.shape})")
+    return out
+
+
 def topk(
     x: np.ndarray,
     k: int,

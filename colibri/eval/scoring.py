@@ -13,7 +13,8 @@
   reference engine (KL divergence, top-1 agreement, routing agreement per MoE layer);
   windows are fed side by side in batched forwards too.
 
-Log-softmax runs in float64 on the engine's f32 logits.
+Log-probabilities are float64: a target's f32 logit minus its row's log-sum-exp
+(ops.logsumexp: exps in f32, their sums in f64).
 """
 
 from __future__ import annotations
@@ -25,23 +26,23 @@ from typing import Any
 
 import numpy as np
 
+from colibri.compute import ops
 from colibri.eval.data import EvalError
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis of f32 logits [..., vocab]."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    """float64 log-softmax over the last axis of f32 logits [..., vocab]: x - logsumexp(x)
+    (ops.logsumexp: the row's max, the exps in f32, their sums in f64)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    return x.astype(np.float64) - ops.logsumexp(x)[..., None]
 
 
 def target_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """float64 log-softmax(logits[i])[targets[i]] for f32 logits [n, vocab] and int targets
-    [n]: the log-sum-exp per row in float64, without the full log-softmax array."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1)
-    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
-    return x[np.arange(len(targets)), targets] - lse
+    [n]: the target's logit minus the row's log-sum-exp (ops.logsumexp, one pass in C over
+    both threads), without a log-softmax array."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    return x[np.arange(len(targets)), targets].astype(np.float64) - ops.logsumexp(x)
 
 
 def added_bos(tokenizer: Any) -> int | None:
@@ -113,14 +114,17 @@ async def _feed_batch(
     tokens: Sequence[Sequence[int]],
     logits_from: Sequence[int | None],
     counters: Counters | None,
+    targets: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[np.ndarray], list[list[tuple[int, int]]]]:
     """Feed tokens[s] into seqs[s], every sequence in the same batched forwards
     (Engine.forward_batch): step j takes chunk j (engine.prefill_chunk tokens, the chunks of
     `colibri run`'s prefill) of each sequence that has one. logits_from[s] None: the last
     row's logits f32 [vocab] (zeros when tokens[s] is empty); else the rows of
-    tokens[s][logits_from[s]:], f32 [len(tokens[s]) - logits_from[s], vocab]. Also returns
-    per step the (sequence, tokens fed) in the order the forward saw them (what a routing
-    trace of the span records)."""
+    tokens[s][logits_from[s]:], f32 [len(tokens[s]) - logits_from[s], vocab], or with
+    `targets` (targets[s]: one token id per such row) the log-probabilities of those ids,
+    float64 [len(tokens[s]) - logits_from[s]] (the engine's scoring: no logits array). Also
+    returns per step the (sequence, tokens fed) in the order the forward saw them (what a
+    routing trace of the span records)."""
     chunk = getattr(engine, "prefill_chunk", 256)
     vocab = engine.spec.vocab_size
     rows: list[list[np.ndarray]] = [[] for _ in seqs]
@@ -130,7 +134,7 @@ async def _feed_batch(
     n_steps = max((-(-len(t) // chunk) for t in tokens), default=0)
     for j in range(n_steps):
         start = j * chunk
-        idx, parts, full, first = [], [], [], []
+        idx, parts, full, first, tgts = [], [], [], [], []
         for s, t in enumerate(tokens):
             part = list(t[start : start + chunk])
             if not part:
@@ -142,7 +146,14 @@ async def _feed_batch(
             parts.append(part)
             full.append(want)
             first.append(skip if want else 0)
-        outs = await engine.forward_batch([seqs[s] for s in idx], parts, full, first)
+            if targets is not None and want:
+                assert lf is not None
+                tgts.append(targets[s][start + skip - lf : start + len(part) - lf])
+            else:
+                tgts.append(None)
+        outs = await engine.forward_batch(
+            [seqs[s] for s in idx], parts, full, first, tgts if targets is not None else ()
+        )
         for s, want, out in zip(idx, full, outs, strict=True):
             if want:
                 rows[s].append(out)
@@ -153,11 +164,12 @@ async def _feed_batch(
         counters.tokens += sum(len(t) for t in tokens)
         counters.seconds += time.perf_counter() - t0
     result = []
+    empty = np.zeros(0, np.float64) if targets is not None else np.zeros((0, vocab), np.float32)
     for s, lf in enumerate(logits_from):
         if lf is None:
             result.append(last[s])
         else:
-            result.append(np.concatenate(rows[s]) if rows[s] else np.zeros((0, vocab), np.float32))
+            result.append(np.concatenate(rows[s]) if rows[s] else empty)
     return result, steps
 
 
@@ -247,23 +259,26 @@ async def _score_group(
             engine, bases, [s[0][:n] for s, n in zip(seqs, shared, strict=True)],
             [None] * len(items), counters,
         )  # fmt: skip
-        owner, tails = [], []
+        owner, tails, froms, targets = [], [], [], []
         for k, (reqs, ss, n) in enumerate(zip(items, seqs, shared, strict=True)):
             for j, s in enumerate(ss):
                 # the last request of an item continues in the item's own sequence
                 forks.append(bases[k] if j == len(reqs) - 1 else bases[k].fork())
                 owner.append((k, j))
-                tails.append(s[n:-1])
-        rows, _ = await _feed_batch(engine, forks, tails, [0] * len(forks), counters)
+                tails.append(s[n:-1])  # positions n .. len(s) - 2
+                # only the scored positions len(ctx) - 1 .. len(s) - 2 go through the head;
+                # the row at n - 1 (the prefix's last) is the first when len(ctx) == n
+                lf = max(0, len(reqs[j][0]) - 1 - n)
+                froms.append(lf)
+                targets.append(s[n + 1 + lf :])  # logits at pos predict s[pos + 1]
+        lps, _ = await _feed_batch(engine, forks, tails, froms, counters, targets)
         out: list[list[np.ndarray]] = [[] for _ in items]
-        for (k, j), r in zip(owner, rows, strict=True):
-            ctx = items[k][j][0]
+        for (k, j), lp in zip(owner, lps, strict=True):
             s, n = seqs[k][j], shared[k]
-            offset = 0
-            if n:
-                r, offset = np.concatenate([lasts[k][None], r]), n - 1
-            pos = np.arange(len(ctx) - 1, len(s) - 1)  # logits at pos predict s[pos + 1]
-            out[k].append(target_logprobs(r[pos - offset], np.asarray(s)[pos + 1]))
+            if len(items[k][j][0]) == n:  # the context ends where the shared prefix does
+                head = target_logprobs(lasts[k][None], np.asarray(s[n : n + 1]))
+                lp = np.concatenate([head, lp])
+            out[k].append(lp)
         return out
     finally:
         for seq in bases + forks:
@@ -353,16 +368,23 @@ def text_tokens(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
 
 
 async def _windows(
-    engine: Any, ws: list[list[int]], first: int, counters: Counters | None, routing: bool
+    engine: Any,
+    ws: list[list[int]],
+    first: int,
+    counters: Counters | None,
+    routing: bool,
+    scored: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-    """Per window: logits f32 [n_ctx - 1 - first, vocab] of positions first .. n_ctx-2 and,
-    with `routing`, the routing (int32 [n_ctx - 1, layers, top_k]) of the tokens fed; the
-    windows fed side by side in batched forwards."""
+    """Per window: logits f32 [n_ctx - 1 - first, vocab] of positions first .. n_ctx-2 (with
+    `scored` instead the log-probabilities float64 [n_ctx - 1 - first] of the tokens they
+    predict, w[first + 1:]) and, with `routing`, the routing (int32 [n_ctx - 1, layers,
+    top_k]) of the tokens fed; the windows fed side by side in batched forwards."""
     seqs = [engine.new_sequence(n_ctx=len(w)) for w in ws]
     feed = [w[:-1] for w in ws]
     try:
         if not routing:
-            rows, _ = await _feed_batch(engine, seqs, feed, [first] * len(ws), counters)
+            targets = [w[first + 1 :] for w in ws] if scored else None
+            rows, _ = await _feed_batch(engine, seqs, feed, [first] * len(ws), counters, targets)
             return rows, None
         with engine.capture_routing() as tracer:  # one pass, logits of the scored half only
             rows, steps = await _feed_batch(engine, seqs, feed, [first] * len(ws), counters)
@@ -380,12 +402,12 @@ async def _windows(
     return rows, [np.concatenate(p) for p in parts]
 
 
-def _window_group(engine: Any, n_ctx: int, first: int) -> int:
-    """How many windows one batch holds: MAX_BATCH, fewer when their logits and KV caches
-    would pass BATCH_NBYTES."""
+def _window_group(engine: Any, n_ctx: int, first: int, logits: bool = True) -> int:
+    """How many windows one batch holds: MAX_BATCH, fewer when their KV caches and (with
+    `logits`: against a reference) their logits would pass BATCH_NBYTES."""
     from colibri.model import KVCache
 
-    per = (n_ctx - 1 - first) * engine.spec.vocab_size * 4
+    per = (n_ctx - 1 - first) * (engine.spec.vocab_size * 4 if logits else 8)
     per += KVCache.nbytes_for(engine.spec, n_ctx, np.float32)
     return max(1, min(MAX_BATCH, BATCH_NBYTES // max(1, per)))
 
@@ -419,19 +441,19 @@ async def perplexity(
     same = np.zeros(len(moe))
     overlap = np.zeros(len(moe))
     routed = 0
-    group = _window_group(engine, n_ctx, first)
+    group = _window_group(engine, n_ctx, first, logits=reference is not None)
     for g in range(0, len(ws), group):
         batch = ws[g : g + group]
         routing = reference is not None and bool(moe)
-        got = await _windows(engine, batch, first, counters, routing)
+        got = await _windows(engine, batch, first, counters, routing, reference is None)
         ref = None
         if reference is not None:
             ref = await _windows(reference, batch, first, None, routing)
         for b, w in enumerate(batch):
             rows = got[0][b]
             targets = np.asarray(w[first + 1 :])
-            if ref is None:
-                nll.append(-target_logprobs(rows, targets))
+            if ref is None:  # rows: the log-probabilities of the targets
+                nll.append(-rows)
                 continue
             lp = log_softmax(rows)
             idx = np.arange(len(targets))
