@@ -37,8 +37,9 @@ def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
 # Weight types whose Q8_0-activation kernels (ops.matmul_q8, ops.expert_ffn with act_q8)
 # compute every row the same bits whatever the number of rows in the call
 # (tests/test_batch_invariance.py, tests/test_serve_stacking.py): calls on them may stack the
-# rows of several sequences without changing any sequence's result. FP8's matvec differs.
-ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES - {QType.FP8}
+# rows of several sequences without changing any sequence's result (FP8 and MXFP4 too, since
+# their matvec and batch paths compute alike).
+ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES
 
 # MLA kv_b_proj storage types read as stored (ops.mla_absorb_q / mla_values); others are
 # dequantized to f32 at load (f32 itself: the f32 arrays are the stored values, same output).
