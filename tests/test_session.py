@@ -130,7 +130,7 @@ def test_refusals(saved, tmp_path):
     cases = [
         (lambda: load(saved, other), "a session of another store"),
         (lambda: load(saved, kv_dtype="f16"), "session made with kv_dtype='f32'"),
-        (lambda: load(saved, activations="f32"), "session made with activations='q8_0'"),
+        (lambda: load(saved, activations="f32"), "session made with activations='q8_k'"),
         (lambda: load(saved, n_ctx=8), "engine's context holds 8"),
         (lambda: load(damaged(saved, tmp_path, offset=-100)), "payload checksum mismatch"),
         (lambda: load(damaged(saved, tmp_path, offset=40)), "damaged session header"),
