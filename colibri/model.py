@@ -37,8 +37,9 @@ def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
 # Weight types whose Q8_0-activation kernels (ops.matmul_q8, ops.expert_ffn with act_q8)
 # compute every row the same bits whatever the number of rows in the call
 # (tests/test_batch_invariance.py, tests/test_serve_stacking.py): calls on them may stack the
-# rows of several sequences without changing any sequence's result. FP8's matvec differs.
-ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES - {QType.FP8}
+# rows of several sequences without changing any sequence's result (FP8 and MXFP4 too, since
+# their matvec and batch paths compute alike).
+ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES
 
 # MLA kv_b_proj storage types read as stored (ops.mla_absorb_q / mla_values); others are
 # dequantized to f32 at load (f32 itself: the f32 arrays are the stored values, same output).
@@ -47,7 +48,9 @@ MLA_KV_B_QTYPES = frozenset((QType.Q4_0, QType.Q4_1, QType.Q8_0))
 
 class Linear:
     """y = x W^T (+ b) for W [rows, cols] in any storage type, b f32 [rows] or None.
-    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is Q4_0 or Q8_0.
+    act_q8: quantize x to Q8_0 and use integer dots (ops.matmul_q8) when W is quantized.
+    act_q8k (with act_q8): Q8_K activations (ops.matmul_q8k) when W is Q4_K / Q5_K / Q6_K and
+    cols a multiple of 256 (llama.cpp's K-quant path: faster, and as batch invariant).
     pad: run the kernel on x padded with zero rows to a multiple of `pad` rows (1: never)."""
 
     pad = 1
@@ -60,9 +63,11 @@ class Linear:
         cols: int,
         bias: np.ndarray | None,
         act_q8: bool = False,
+        act_q8k: bool = False,
     ):
         self.w, self.qtype, self.rows, self.cols, self.bias = w, qtype, rows, cols, bias
         self.act_q8 = act_q8 and qtype in ops.Q8_ACT_TYPES and cols % 32 == 0  # fp8: any cols
+        self.act_q8k = act_q8k and self.act_q8 and qtype in ops.Q8K_ACT_TYPES and cols % 256 == 0
         # rows need no padding to be batch-invariant
         self._q8_invariant = self.act_q8 and qtype in ROW_INVARIANT_QTYPES
 
@@ -89,7 +94,9 @@ class Linear:
             return out
         if out is None:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
-        if self.act_q8:
+        if self.act_q8k:
+            ops.matmul_q8k(self.w, self.qtype, ops.quantize_q8_k(x), out, nthreads=nthreads)
+        elif self.act_q8:
             ops.matmul_q8(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
         else:
             ops.matmul(self.w, self.qtype, x, out, nthreads=nthreads)
@@ -106,15 +113,15 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     p0 = parts[0]
     same = all(
         p.qtype == p0.qtype and p.cols == p0.cols and p.act_q8 == p0.act_q8 and
-        (p.bias is None) == (p0.bias is None) and p.w.ndim == p0.w.ndim and
-        p.w.shape[1:] == p0.w.shape[1:]
+        p.act_q8k == p0.act_q8k and (p.bias is None) == (p0.bias is None) and
+        p.w.ndim == p0.w.ndim and p.w.shape[1:] == p0.w.shape[1:]
         for p in parts
     )  # fmt: skip
     if not same:
         return None
     w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
     bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
-    fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8)
+    fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8, p0.act_q8k)
     fused.pad = p0.pad
     r = 0
     for p in parts:
@@ -366,8 +373,8 @@ class Model:
 
     activations: "q8_0" (quantized weights multiply Q8_0-quantized activations, see
     ops.matmul_q8; float weights stay f32), "q8_k" (the default: as q8_0, but experts whose
-    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations) or
-    "f32" (exact).
+    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations, and
+    dense Q8K_ACT_TYPES matrices ops.matmul_q8k) or "f32" (exact).
     pad: every matmul and expert FFN runs on rows padded to a multiple of `pad` (4: each
     row's result is the same in any batch; 1: no padding, fastest alone). dense=False loads no
     dense tensor: only expert_ffn works (an expert owner on another machine, colibri/cluster).
@@ -469,7 +476,7 @@ class Model:
     def _linear(self, prefix: str, rows: int, cols: int) -> Linear:
         w, qtype = self._raw(f"{prefix}.weight", (rows, cols))
         bias = self._vector(f"{prefix}.bias", rows) if f"{prefix}.bias" in self._names else None
-        lin = Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8)
+        lin = Linear(w, qtype, rows, cols, bias, act_q8=self.act_q8, act_q8k=self.act_q8k)
         lin.pad = self.pad
         return lin
 
@@ -497,7 +504,9 @@ class Model:
         o_a = self._linear(n["o_a"], g * r, H * hd // g)
         groups = []
         for j in range(g):
-            part = Linear(o_a.w[j * r : (j + 1) * r], o_a.qtype, r, o_a.cols, None, self.act_q8)
+            part = Linear(
+                o_a.w[j * r : (j + 1) * r], o_a.qtype, r, o_a.cols, None, self.act_q8, self.act_q8k
+            )
             part.pad = self.pad
             groups.append(part)
         w["o_a"] = tuple(groups)

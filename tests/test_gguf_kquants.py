@@ -231,3 +231,7 @@ def test_llama_quantize_q4_k_m_converts_and_runs_like_llama_cpp(ggufs, tmp_path)
     print(f"Q4_K_M vs exact: llama.cpp {e_llama:.2e}, colibri q8_0 {e_ours:.2e}; "
           f"colibri vs llama.cpp {e_both:.2e}")  # fmt: skip
     assert e_ours <= max(1.5 * e_llama, 1e-2) and e_both <= e_llama + e_ours + 1e-6
+    # the default, q8_k (Q8_K activations for the K-quant matrices, as llama.cpp): as close
+    e_k = np.abs(_logits(store, ids, "q8_k")[0] - exact).max() / scale
+    print(f"colibri q8_k vs exact {e_k:.2e}")
+    assert e_k <= max(1.5 * e_llama, 1e-2)

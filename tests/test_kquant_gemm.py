@@ -241,3 +241,22 @@ def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
         kl[mode] = float((np.exp(logp) * (logp - logq)).sum(axis=1).mean())
     assert kl["q8_k"] < 0.15, kl
     assert kl[None] == kl["q8_k"], kl
+
+
+def test_dense_k_quant_matrices_run_on_q8k():
+    """A dense Linear of a Q8K_ACT_TYPES matrix with act_q8k (the engine's default q8_k) is
+    matmul_q8k on quantize_q8_k(x), bit for bit, alone or batched; other column counts and
+    activations="q8_0" keep Q8_0 activations."""
+    from colibri.model import Linear
+
+    rng = np.random.default_rng(3)
+    w, _ = random_weights(rng, ops.QType.Q6_K, 40, 512)
+    x = _x(rng, 5, 512)
+    lin = Linear(w, ops.QType.Q6_K, 40, 512, None, act_q8=True, act_q8k=True)
+    assert lin.act_q8k and lin.row_invariant
+    want = ops.matmul_q8k(w, "q6_k", ops.quantize_q8_k(x), np.empty((5, 40), np.float32))
+    np.testing.assert_array_equal(lin(x).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(lin(x[2:3])[0].view(np.uint32), want[2].view(np.uint32))
+    assert not Linear(w, ops.QType.Q6_K, 40, 512, None, act_q8=True).act_q8k
+    w4, _ = random_weights(rng, ops.QType.Q4_0, 8, 96)
+    assert not Linear(w4, ops.QType.Q4_0, 8, 96, None, act_q8=True, act_q8k=True).act_q8k
