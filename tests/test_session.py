@@ -66,6 +66,48 @@ def test_reopened_session_continues_exactly(tmp_path, kv):
     assert not list(tmp_path.glob(".*"))  # written through a temporary, renamed
 
 
+def test_session_turns_run_in_the_engines_scheduler(tmp_path):
+    """A session turn is a generation of the engine's scheduler: decoded in the same batch as
+    a concurrent stream, its tokens are those of the turn alone and the stream's are those of
+    the stream alone (batch invariance); a turn left after 3 tokens leaves the session whole
+    (its tokens match its KV cache: it saves, and the next turn answers as a fresh prefill)."""
+
+    async def run():
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            other = [{"role": "user", "content": "Write a for statement"}]
+
+            async def stream_ids():
+                gen = eng.stream(other, max_tokens=N, temperature=0, ignore_eos=True)
+                return [t.token_id async for t in gen if t.token_id is not None]
+
+            alone_stream = await stream_ids()
+            alone_turn, _ = await answer(eng.new_session(TURN1), TURN1)
+            s = eng.new_session(TURN1)
+            before = eng.statistics(components=False)
+            (turn, _), streamed = await asyncio.gather(answer(s, TURN1), stream_ids())
+            generated = eng.statistics(components=False).delta(before).generated_tokens
+            left = eng.new_session(TURN1)
+            got = 0
+            async for t in left.stream(TURN1, max_tokens=N, temperature=0):
+                got += t.token_id is not None
+                if got == 3:
+                    break
+            messages = [*TURN1, {"role": "assistant", "content": "A list."}, USER2]
+            cont, _ = await answer(left, messages)
+            eng.save_session(tmp_path / "left.session", left)
+            fresh = [
+                t.token_id
+                async for t in eng.stream(messages, max_tokens=N, temperature=0)
+                if t.token_id is not None
+            ]
+            return alone_stream, alone_turn, turn, streamed, generated, cont, fresh
+
+    alone_stream, alone_turn, turn, streamed, generated, cont, fresh = asyncio.run(run())
+    assert turn == alone_turn and streamed == alone_stream
+    assert generated == len(turn) + len(streamed)  # both counted by the scheduler
+    assert cont == fresh and len(cont) > 0
+
+
 def test_f16_sessions_are_half_the_size(tmp_path):
     async def save(kv):
         async with open_engine(DEMO_STORE, kv_dtype=kv) as eng:
