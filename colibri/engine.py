@@ -745,10 +745,6 @@ class Engine:
                 self.io.close_pool()
 
 
-def _times(pipeline: Pipeline) -> tuple[float, float]:
-    return pipeline.times.wait_io, pipeline.times.compute
-
-
 @asynccontextmanager
 async def open_engine(path: str | os.PathLike[str], **options: Any) -> AsyncIterator[Engine]:
     """Open the store at `path` for inference; options as in EngineOptions.

@@ -259,7 +259,8 @@ class Scheduler:
     def cancel(self, gen: Generation) -> asyncio.Future | None:
         """Stop a generation (its consumer went away); no-op once it has finished. Returns
         the step it was alone in, now cancelled (await it to know that every record the step
-        held is released), else None."""
+        held is released), or for a keep_kv generation in a step a future done once that step
+        has ended and its tokens are in the sequence; else None."""
         if gen.done:
             return None
         gen.cancelled = True
@@ -277,6 +278,8 @@ class Scheduler:
         elif self._step is not None and self._step_members == [gen]:
             step = self._step
             step.cancel()  # alone in the step: stop it now
+        elif gen.keep_kv:  # running but not in this step: nothing writes its KV cache
+            gen.done = True
         self._update_counts()
         self._wake.set()
         return step
@@ -361,6 +364,7 @@ class Scheduler:
             if gen.cancelled or gen.done:
                 if gen.keep_kv and not gen.done:  # its KV cache holds them now
                     gen.seq.tokens.extend(tokens)
+                    gen.done = True
                 continue
             try:
                 gen.advance(tokens, logits)

@@ -69,6 +69,7 @@ class Session:
         *,
         max_tokens: int = 256,
         template_kwargs: Mapping[str, Any] | None = None,
+        ignore_eos: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[Token]:
         """Generate as Engine.stream() does, from the whole conversation `prompt` (messages
@@ -77,9 +78,9 @@ class Session:
         the conversation diverges from it, e.g. a template that re-renders earlier turns).
         The generated tokens stay in the cache (all but the last, which the next turn feeds).
         Runs in the engine's scheduler as Engine.stream() does (batched with the other
-        streams). Yields Token items; the last carries finish_reason and statistics
-        (prompt_tokens: the tokens fed now). Raises ColibriError when the conversation
-        outgrows the context or holds an id outside the vocabulary."""
+        streams; ignore_eos as there). Yields Token items; the last carries finish_reason
+        and statistics (prompt_tokens: the tokens fed now). Raises ColibriError when the
+        conversation outgrows the context or holds an id outside the vocabulary."""
         from colibri.sampling import SamplingParams
         from colibri.scheduler import Generation
 
@@ -107,7 +108,7 @@ class Session:
             keep = 0  # a hybrid model's recurrent state cannot be cut back: start over
         self.seq.truncate(keep)
         tok = eng.tokenizer
-        eos = tok.eos_token_ids if tok is not None else frozenset()
+        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
         self._active = Generation(eng, ids, params, eos, t0, self.seq)
         async with contextlib.aclosing(eng.run_generation(self._active)) as items:
             async for item in items:
@@ -151,6 +152,11 @@ def save_session(engine: Engine, session: Session, path: str | os.PathLike[str])
     """Write `session` to `path` atomically (temporary file in the same directory, fsync,
     rename). Returns the path. Raises OSError when it cannot be written."""
     seq, n = session.seq, session.seq.length
+    if session._active is not None and not session._active.done:
+        raise ColibriError(
+            "session: a turn is still generating (a stream left early is closed by the event "
+            "loop a moment later: close it first, e.g. with contextlib.aclosing)"
+        )
     if len(seq.tokens) != n:
         raise ColibriError(f"session: {len(seq.tokens)} tokens but {n} in the KV cache")
     parts, arrays, offset = [], [], 0

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from colibri.engine import open_engine
+from colibri.errors import ColibriError
 from colibri.run import DEMO_STORE
 from colibri.session import SessionError
 
@@ -106,6 +107,49 @@ def test_session_turns_run_in_the_engines_scheduler(tmp_path):
     assert turn == alone_turn and streamed == alone_stream
     assert generated == len(turn) + len(streamed)  # both counted by the scheduler
     assert cont == fresh and len(cont) > 0
+
+
+def test_a_turn_cancelled_or_left_early_leaves_the_session_whole(tmp_path):
+    """Ctrl-C in `colibri chat` (the task reading a turn is cancelled mid-answer): the session
+    saves at once and reopens; a turn left with `break` is refused by save_session with a
+    clear error until its stream is closed (the event loop closes it a moment later)."""
+    import contextlib
+
+    async def run():
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            s = eng.new_session(TURN1)
+            seen = asyncio.Event()
+
+            async def read():
+                async for t in s.stream(TURN1, max_tokens=200, temperature=0, ignore_eos=True):
+                    if t.token_id is not None:
+                        seen.set()
+
+            task = asyncio.ensure_future(read())
+            await seen.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            eng.save_session(tmp_path / "cancelled.session", s)  # no wait needed
+            n = len(s.tokens)
+            gen = s.stream(TURN1, max_tokens=200, temperature=0)
+            async for t in gen:
+                if t.token_id is not None:
+                    break
+            with pytest.raises(ColibriError, match="a turn is still generating"):
+                eng.save_session(tmp_path / "left.session", s)
+            await gen.aclose()
+            eng.save_session(tmp_path / "left.session", s)
+            async with contextlib.aclosing(s.stream(TURN1, max_tokens=200)) as g:
+                async for _ in g:
+                    break
+            eng.save_session(tmp_path / "closed.session", s)
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            again = eng.load_session(tmp_path / "cancelled.session")
+            return n, len(again.tokens)
+
+    n, reopened = asyncio.run(run())
+    assert n == reopened > len(TURN1[0]["content"]) // 4
 
 
 def test_f16_sessions_are_half_the_size(tmp_path):
