@@ -14,6 +14,7 @@ those it would get alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import errno
 import json
@@ -593,6 +594,27 @@ class Engine:
         """
         params = SamplingParams(max_tokens=max_tokens, **{**self.generation_defaults, **sampling})
         t0 = time.perf_counter()
+        ids = self.prompt_ids(prompt, template_kwargs)
+        if len(ids) >= self.n_ctx:
+            raise ColibriError(
+                f"prompt too long: {len(ids)} tokens, context length {self.n_ctx} "
+                "(set n_ctx / --ctx)"
+            )
+        tok = self.tokenizer
+        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
+        gen = Generation(self, ids, params, eos, t0)
+        async with contextlib.aclosing(self.run_generation(gen)) as items:  # closed with this
+            async for item in items:
+                yield item
+
+    def prompt_ids(
+        self,
+        prompt: str | Seq[Mapping[str, Any]] | Seq[int],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of a stream() prompt (a string, chat messages, or token ids, checked
+        against the vocabulary). Raises ColibriError (empty, not ids, outside the vocabulary)
+        and TokenizerError."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
             ids = self.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
         else:
@@ -605,20 +627,17 @@ class Engine:
             ids = [int(t) for t in ids]
         if not ids:
             raise ColibriError("empty prompt")
-        if len(ids) >= self.n_ctx:
-            raise ColibriError(
-                f"prompt too long: {len(ids)} tokens, context length {self.n_ctx} "
-                "(set n_ctx / --ctx)"
-            )
         vocab = self.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ColibriError(
                 f"token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
             )
-        tok = self.tokenizer
-        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
-        gen = Generation(self, ids, params, eos, t0)
+        return ids
+
+    async def run_generation(self, gen: Generation) -> AsyncIterator[Token]:
+        """Submit `gen` to the scheduler and yield its Token items until the last; leaving
+        early cancels it (stream() and Session.stream())."""
         self.scheduler.submit(gen)
         try:
             while True:
@@ -752,10 +771,6 @@ class Engine:
             finally:
                 await self.io.aclose()
                 self.io.close_pool()
-
-
-def _times(pipeline: Pipeline) -> tuple[float, float]:
-    return pipeline.times.wait_io, pipeline.times.compute
 
 
 @asynccontextmanager

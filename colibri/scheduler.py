@@ -88,7 +88,12 @@ class Token:
 
 class Generation:
     """One request inside the scheduler: prompt ids, its Sequence (KV cache), sampler,
-    detokenizer, stop strings, and the queue its Token items go to."""
+    detokenizer, stop strings, and the queue its Token items go to.
+
+    seq: a sequence of the caller's (a Session's) whose first `seq.length` tokens are the
+    prompt's already (fed from there on); its KV cache is kept when the generation ends, the
+    prefix cache is left out, and a step it is in runs to its end even when it is cancelled
+    (its KV cache stays whole). None: a fresh sequence, freed at the end."""
 
     def __init__(
         self,
@@ -97,11 +102,14 @@ class Generation:
         params: SamplingParams,
         eos: frozenset[int],
         t0: float,
+        seq: Any = None,
     ) -> None:
         self.engine, self.ids, self.params, self.eos, self.t0 = engine, ids, params, eos, t0
         self.max_tokens = params.max_tokens or 1
-        self.seq = engine.new_sequence()
-        self.pos = 0  # prompt tokens already in the KV cache
+        self.keep_kv = seq is not None
+        self.seq = seq if seq is not None else engine.new_sequence()
+        self.pos = self.seq.length  # prompt tokens already in the KV cache
+        self.start = self.pos  # of them, those the caller's sequence held before
         self.prefix_tokens = 0
         self.sampler = Sampler(params)
         tok = engine.tokenizer
@@ -113,11 +121,12 @@ class Generation:
         self.s0 = engine.statistics(components=False)
         self.done = False
         self.cancelled = False
+        self.settled: asyncio.Future | None = None  # cancel() of a keep_kv gen mid-step
 
     def reuse_prefix(self) -> None:
         """Take the longest stored prefix of the prompt from the engine's prefix cache."""
         pc = self.engine.prefix_cache
-        if pc is not None and self.pos == 0:
+        if pc is not None and self.pos == 0 and not self.keep_kv:
             self.pos = self.prefix_tokens = pc.lookup(self.ids, self.seq.kv)
             self.seq.tokens.extend(self.ids[: self.pos])
             self.engine._counts["prefix_hits"] += self.pos
@@ -141,8 +150,8 @@ class Generation:
             self.pos += len(fed)
             if self.prefilling:
                 return
-            self.engine._counts["prompt_tokens"] += len(self.ids)
-            if self.engine.prefix_cache is not None:
+            self.engine._counts["prompt_tokens"] += len(self.ids) - self.start
+            if self.engine.prefix_cache is not None and not self.keep_kv:
                 self.engine.prefix_cache.store(self.ids, self.seq.kv)
         s = self.sampler.sample(logits, self.ids, self.out)
         self.out.append(s.token_id)
@@ -165,7 +174,7 @@ class Generation:
         if self.done:
             return
         self.done = True
-        self.seq.kv = None  # free the KV cache now
+        self.release()
         tail = ""
         if not self.stops.stopped and self.decoder is not None:  # EOS and length flush too
             tail, _ = self.stops.push(self.decoder.flush())
@@ -175,7 +184,7 @@ class Generation:
         t_first = self.t_first or t_end
         n = len(self.out)
         stats = GenerationStatistics(
-            prompt_tokens=len(self.ids),
+            prompt_tokens=len(self.ids) - self.start,
             generated_tokens=n,
             ttft=t_first - self.t0,
             decode_tok_s=(n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0,
@@ -195,8 +204,13 @@ class Generation:
     def fail(self, exc: BaseException) -> None:
         if not self.done:
             self.done = True
-            self.seq.kv = None
+            self.release()
             self.queue.put_nowait(exc)
+
+    def release(self) -> None:
+        """Free the KV cache now, unless it is the caller's (keep_kv)."""
+        if not self.keep_kv:
+            self.seq.kv = None
 
 
 class Scheduler:
@@ -245,7 +259,8 @@ class Scheduler:
     def cancel(self, gen: Generation) -> asyncio.Future | None:
         """Stop a generation (its consumer went away); no-op once it has finished. Returns
         the step it was alone in, now cancelled (await it to know that every record the step
-        held is released), else None."""
+        held is released), or for a keep_kv generation in a step a future done once that step
+        has ended and its tokens are in the sequence; else None."""
         if gen.done:
             return None
         gen.cancelled = True
@@ -253,10 +268,18 @@ class Scheduler:
         if gen in self.waiting:
             self.waiting.remove(gen)
             gen.done = True
-            gen.seq.kv = None
+            gen.release()
+        elif self._step is not None and gen in self._step_members and gen.keep_kv:
+            # the caller's KV cache must stay whole: the step runs on; the future is done
+            # once its tokens are in the sequence (the caller may feed it again then)
+            if gen.settled is None or gen.settled.done():
+                gen.settled = asyncio.get_running_loop().create_future()
+            step = gen.settled
         elif self._step is not None and self._step_members == [gen]:
             step = self._step
             step.cancel()  # alone in the step: stop it now
+        elif gen.keep_kv:  # running but not in this step: nothing writes its KV cache
+            gen.done = True
         self._update_counts()
         self._wake.set()
         return step
@@ -281,7 +304,7 @@ class Scheduler:
         for gen in self.running:
             if gen.cancelled and not gen.done:
                 gen.done = True
-                gen.seq.kv = None
+                gen.release()
         self.running = [g for g in self.running if not g.done]
 
     async def _loop(self) -> None:
@@ -317,21 +340,33 @@ class Scheduler:
                 await asyncio.wait({self._step})
             finally:
                 step, self._step, self._step_members = self._step, None, []
-            if step.cancelled():
-                continue  # its one member was cancelled; dropped at the top
-            n, records = self.engine.pipeline.last_step
-            if n and not any(len(t) > 1 for t in fed):  # decode steps only
-                per = records / n
-                self.records_per_sequence = 0.7 * self.records_per_sequence + 0.3 * per
-            if step.exception() is not None:
+            try:
+                self._after_step(step, members, fed)
+            finally:
                 for gen in members:
-                    gen.fail(step.exception())
-                continue
-            for gen, tokens, logits in zip(members, fed, step.result(), strict=True):
-                if gen.cancelled or gen.done:
-                    continue
-                try:
-                    gen.advance(tokens, logits)
-                except Exception as exc:  # a sampling error: this request only
-                    gen.fail(exc)
+                    if gen.settled is not None and not gen.settled.done():
+                        gen.settled.set_result(None)
         self._update_counts()
+
+    def _after_step(self, step: asyncio.Future, members: list[Generation], fed: list) -> None:
+        """Hand a finished step's logits to its generations (sampling, emitting, finishing)."""
+        if step.cancelled():
+            return  # its one member was cancelled; dropped at the top
+        n, records = self.engine.pipeline.last_step
+        if n and not any(len(t) > 1 for t in fed):  # decode steps only
+            per = records / n
+            self.records_per_sequence = 0.7 * self.records_per_sequence + 0.3 * per
+        if step.exception() is not None:
+            for gen in members:
+                gen.fail(step.exception())
+            return
+        for gen, tokens, logits in zip(members, fed, step.result(), strict=True):
+            if gen.cancelled or gen.done:
+                if gen.keep_kv and not gen.done:  # its KV cache holds them now
+                    gen.seq.tokens.extend(tokens)
+                    gen.done = True
+                continue
+            try:
+                gen.advance(tokens, logits)
+            except Exception as exc:  # a sampling error: this request only
+                gen.fail(exc)

@@ -18,6 +18,8 @@ activations mode, or a damaged or truncated file is refused with SessionError na
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import struct
@@ -54,6 +56,7 @@ class Session:
 
     def __init__(self, engine: Engine, seq: Sequence, messages: list[dict[str, Any]]) -> None:
         self.engine, self.seq, self.messages = engine, seq, messages
+        self._active: Any = None  # the scheduler Generation of the last stream()
 
     @property
     def tokens(self) -> list[int]:
@@ -66,6 +69,7 @@ class Session:
         *,
         max_tokens: int = 256,
         template_kwargs: Mapping[str, Any] | None = None,
+        ignore_eos: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[Token]:
         """Generate as Engine.stream() does, from the whole conversation `prompt` (messages
@@ -73,21 +77,22 @@ class Session:
         the longest prefix already in the KV cache (the cache is cut back to that prefix when
         the conversation diverges from it, e.g. a template that re-renders earlier turns).
         The generated tokens stay in the cache (all but the last, which the next turn feeds).
-        Yields Token items; the last carries finish_reason and statistics (prompt_tokens: the
-        tokens fed now). Raises ColibriError when the conversation outgrows the context."""
-        from colibri.engine import GenerationStatistics, Token, _times
-        from colibri.sampling import Sampler, SamplingParams
-        from colibri.tokenizer import StopChecker
+        Runs in the engine's scheduler as Engine.stream() does (batched with the other
+        streams; ignore_eos as there). Yields Token items; the last carries finish_reason
+        and statistics (prompt_tokens: the tokens fed now). Raises ColibriError when the
+        conversation outgrows the context or holds an id outside the vocabulary."""
+        from colibri.sampling import SamplingParams
+        from colibri.scheduler import Generation
 
         eng = self.engine
         params = SamplingParams(max_tokens=max_tokens, **{**eng.generation_defaults, **sampling})
         t0 = time.perf_counter()
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
-            ids = eng.encode_prompt(prompt, **(template_kwargs or {}))  # type: ignore[arg-type]
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ColibriError("empty prompt")
+        ids = eng.prompt_ids(prompt, template_kwargs)
+        prev = self._active  # a turn left early and not yet closed by the event loop
+        if prev is not None and not prev.done:
+            step = eng.scheduler.cancel(prev)
+            if step is not None:  # in a step: its tokens reach the sequence first
+                await asyncio.wait({step})
         if len(ids) >= self.seq.kv.n_ctx:
             raise ColibriError(
                 f"conversation too long: {len(ids)} tokens, context length {self.seq.kv.n_ctx} "
@@ -102,59 +107,12 @@ class Session:
         if self.seq.kv.recurrent_state and keep < self.seq.length:
             keep = 0  # a hybrid model's recurrent state cannot be cut back: start over
         self.seq.truncate(keep)
-        new = ids[keep:]
-        sampler = Sampler(params)
         tok = eng.tokenizer
-        eos = tok.eos_token_ids if tok is not None else frozenset()
-        decoder = tok.stream_decoder(ids) if tok is not None else None
-        stops = StopChecker(params.stop)
-        c0, times0 = eng.cache.statistics(), _times(eng.pipeline)
-        out: list[int] = []
-        t_first = None
-        finish = "length"
-        for start in range(0, len(new), eng.prefill_chunk):
-            logits = await eng.forward(self.seq, new[start : start + eng.prefill_chunk])
-        while len(out) < max_tokens:
-            if eng._closing:
-                finish = "cancelled"
-                break
-            s = sampler.sample(logits, ids, out)
-            out.append(s.token_id)
-            if t_first is None:
-                t_first = time.perf_counter()
-            if s.token_id in eos:
-                finish = "stop"
-                yield Token("", s.token_id, s.logprob, s.top_logprobs)
-                break
-            text = decoder.push(s.token_id) if decoder is not None else ""
-            text, stopped = stops.push(text)
-            yield Token(text, s.token_id, s.logprob, s.top_logprobs)
-            if stopped:
-                finish = "stop"
-                break
-            if len(out) >= max_tokens or self.seq.length + 1 > self.seq.kv.n_ctx:
-                break
-            logits = await eng.forward(self.seq, [s.token_id])
-        tail = ""
-        if not stops.stopped and decoder is not None:  # held-back text ends EOS/length too
-            tail, _ = stops.push(decoder.flush())
-            tail += stops.flush()
-        t_end = time.perf_counter()
-        c1, times1 = eng.cache.statistics(), _times(eng.pipeline)
-        hits, misses = c1.hits - c0.hits, c1.misses - c0.misses
-        t_first = t_first or t_end
-        stats = GenerationStatistics(
-            prompt_tokens=len(new),
-            generated_tokens=len(out),
-            ttft=t_first - t0,
-            decode_tok_s=(len(out) - 1) / (t_end - t_first) if len(out) > 1 else 0.0,
-            total_seconds=t_end - t0,
-            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
-            bytes_read=c1.bytes_read - c0.bytes_read,
-            wait_io_seconds=times1[0] - times0[0],
-            compute_seconds=times1[1] - times0[1],
-        )
-        yield Token(tail, None, finish_reason=finish, statistics=stats)
+        eos = tok.eos_token_ids if tok is not None and not ignore_eos else frozenset()
+        self._active = Generation(eng, ids, params, eos, t0, self.seq)
+        async with contextlib.aclosing(eng.run_generation(self._active)) as items:
+            async for item in items:
+                yield item
 
 
 def _arrays(seq: Sequence) -> list[tuple[str, np.ndarray]]:
@@ -194,6 +152,11 @@ def save_session(engine: Engine, session: Session, path: str | os.PathLike[str])
     """Write `session` to `path` atomically (temporary file in the same directory, fsync,
     rename). Returns the path. Raises OSError when it cannot be written."""
     seq, n = session.seq, session.seq.length
+    if session._active is not None and not session._active.done:
+        raise ColibriError(
+            "session: a turn is still generating (a stream left early is closed by the event "
+            "loop a moment later: close it first, e.g. with contextlib.aclosing)"
+        )
     if len(seq.tokens) != n:
         raise ColibriError(f"session: {len(seq.tokens)} tokens but {n} in the KV cache")
     parts, arrays, offset = [], [], 0

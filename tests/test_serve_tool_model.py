@@ -22,6 +22,7 @@ import pytest
 
 from tests import hf_models
 from tests.serve_util import SHARED, running_server
+from tests.test_serve_tools import TOOLS  # get_weather(city)
 
 openai = pytest.importorskip("openai")
 torch = hf_models.torch
@@ -31,16 +32,6 @@ VOCAB = 151936  # Qwen3's embedding rows (the tokenizer has 151669 ids)
 ARGUMENTS = {"city": "Paris"}
 # the hermes call Qwen3's template writes, spaced so that no token repeats with another successor
 CALL = '<tool_call>{"name": "get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

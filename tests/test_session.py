@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from colibri.engine import EngineOptions, open_engine
+from colibri.errors import ColibriError
 from colibri.run import DEMO_STORE
 from colibri.session import SessionError
 
@@ -64,6 +65,91 @@ def test_reopened_session_continues_exactly(tmp_path, kv):
     assert fresh == ids2
     assert s.messages == messages and n_before > 10
     assert not list(tmp_path.glob(".*"))  # written through a temporary, renamed
+
+
+def test_session_turns_run_in_the_engines_scheduler(tmp_path):
+    """A session turn is a generation of the engine's scheduler: decoded in the same batch as
+    a concurrent stream, its tokens are those of the turn alone and the stream's are those of
+    the stream alone (batch invariance); a turn left after 3 tokens leaves the session whole
+    (its tokens match its KV cache: it saves, and the next turn answers as a fresh prefill)."""
+
+    async def run():
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            other = [{"role": "user", "content": "Write a for statement"}]
+
+            async def stream_ids():
+                gen = eng.stream(other, max_tokens=N, temperature=0, ignore_eos=True)
+                return [t.token_id async for t in gen if t.token_id is not None]
+
+            alone_stream = await stream_ids()
+            alone_turn, _ = await answer(eng.new_session(TURN1), TURN1)
+            s = eng.new_session(TURN1)
+            before = eng.statistics(components=False)
+            (turn, _), streamed = await asyncio.gather(answer(s, TURN1), stream_ids())
+            generated = eng.statistics(components=False).delta(before).generated_tokens
+            left = eng.new_session(TURN1)
+            got = 0
+            async for t in left.stream(TURN1, max_tokens=N, temperature=0):
+                got += t.token_id is not None
+                if got == 3:
+                    break
+            messages = [*TURN1, {"role": "assistant", "content": "A list."}, USER2]
+            cont, _ = await answer(left, messages)
+            eng.save_session(tmp_path / "left.session", left)
+            fresh = [
+                t.token_id
+                async for t in eng.stream(messages, max_tokens=N, temperature=0)
+                if t.token_id is not None
+            ]
+            return alone_stream, alone_turn, turn, streamed, generated, cont, fresh
+
+    alone_stream, alone_turn, turn, streamed, generated, cont, fresh = asyncio.run(run())
+    assert turn == alone_turn and streamed == alone_stream
+    assert generated == len(turn) + len(streamed)  # both counted by the scheduler
+    assert cont == fresh and len(cont) > 0
+
+
+def test_a_turn_cancelled_or_left_early_leaves_the_session_whole(tmp_path):
+    """Ctrl-C in `colibri chat` (the task reading a turn is cancelled mid-answer): the session
+    saves at once and reopens; a turn left with `break` is refused by save_session with a
+    clear error until its stream is closed (the event loop closes it a moment later)."""
+    import contextlib
+
+    async def run():
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            s = eng.new_session(TURN1)
+            seen = asyncio.Event()
+
+            async def read():
+                async for t in s.stream(TURN1, max_tokens=200, temperature=0, ignore_eos=True):
+                    if t.token_id is not None:
+                        seen.set()
+
+            task = asyncio.ensure_future(read())
+            await seen.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            eng.save_session(tmp_path / "cancelled.session", s)  # no wait needed
+            n = len(s.tokens)
+            gen = s.stream(TURN1, max_tokens=200, temperature=0)
+            async for t in gen:
+                if t.token_id is not None:
+                    break
+            with pytest.raises(ColibriError, match="a turn is still generating"):
+                eng.save_session(tmp_path / "left.session", s)
+            await gen.aclose()
+            eng.save_session(tmp_path / "left.session", s)
+            async with contextlib.aclosing(s.stream(TURN1, max_tokens=200)) as g:
+                async for _ in g:
+                    break
+            eng.save_session(tmp_path / "closed.session", s)
+        async with open_engine(DEMO_STORE, io="threads") as eng:
+            again = eng.load_session(tmp_path / "cancelled.session")
+            return n, len(again.tokens)
+
+    n, reopened = asyncio.run(run())
+    assert n == reopened > len(TURN1[0]["content"]) // 4
 
 
 def test_f16_sessions_are_half_the_size(tmp_path):
