@@ -112,7 +112,8 @@ def expected_hit_rate(
     return (
         min(1.0, capacity / max(1, num_records)),
         "uniform",
-        f"{capacity} of {num_records} records cached, every expert equally likely",
+        f"{min(capacity, num_records)} of {num_records} records cached, every expert "
+        "equally likely",
     )
 
 
@@ -329,7 +330,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=size_arg,
         help="expert cache bytes (default: the profile's, else run's)",
     )
-    p.add_argument("--ctx", dest="n_ctx", type=int, default=DEFAULT_N_CTX, help="context tokens")
+    p.add_argument(
+        "--ctx",
+        dest="n_ctx",
+        type=_ctx_tokens,
+        default=None,
+        help=f"context tokens (default {DEFAULT_N_CTX}, or the model's maximum when smaller)",
+    )
     p.add_argument("--kv", dest="kv_dtype", choices=("f32", "f16"), default="f32")
     p.add_argument("--policy", choices=(*POLICIES, "belady"), default="nextuse")
     p.add_argument("--trace", metavar="FILE", help="routing trace (.npz or Mixtral .jsonl)")
@@ -368,10 +375,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _ctx_tokens(text: str) -> int:
+    from colibri.run import ctx_tokens  # run imports the engine; plan's parser must not
+
+    return ctx_tokens(text)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     from colibri.run import DEMO_STORE
 
     store = open_store(Path(args.model) if args.model else DEMO_STORE)
+    limit = model_spec(store.config).max_position_embeddings
+    if args.n_ctx is None:
+        args.n_ctx = DEFAULT_N_CTX  # lowered to the model's maximum, as run does
+    elif args.n_ctx > limit:
+        raise ColibriError(
+            f"--ctx {args.n_ctx} exceeds the model's context length {limit} "
+            "(max_position_embeddings)"
+        )
     profile = None if args.no_profile else load_profile()
     plan = make_plan(
         store,

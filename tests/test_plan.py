@@ -213,3 +213,22 @@ def test_mirrors_on_other_drives_add_their_bandwidth(tmp_path, monkeypatch):
             plan_mod.make_plan(demo, profile=prof, measure=False, mirrors=[str(tmp_path)])
     finally:
         shutil.rmtree(shm)
+
+
+def test_ctx_is_checked_as_run_checks_it():
+    """--ctx 0 and a --ctx above the model's context length are refused naming --ctx, as run
+    refuses them; the default (4096) is lowered to the demo's 1024; a budget above the store
+    says how many records there are, not more."""
+    res = colibri("plan", "--ctx", "0", "--no-measure")
+    assert res.returncode == 2 and "argument --ctx: 0: the context must hold at least 1" in (
+        res.stderr
+    )
+    res = colibri("plan", "--ctx", "999999", "--no-measure")
+    assert res.returncode == 1
+    assert res.stderr.strip() == (
+        "colibri: error: --ctx 999999 exceeds the model's context length 1024 "
+        "(max_position_embeddings)"
+    )
+    res = colibri("plan", "--json", "--no-measure", "--no-profile", "--budget", "8G")
+    p = json.loads(res.stdout)
+    assert p["memory"]["n_ctx"] == 1024 and "32 of 32 records cached" in p["hit_rate"]["detail"]

@@ -62,8 +62,9 @@ def demo_checkpoint(out: Path) -> Path:
     from safetensors.numpy import save_file
 
     from colibri.compute import ops
+    from colibri.run import DEMO_STORE
 
-    demo = Path(__file__).resolve().parents[1] / "colibri/data/demo"
+    demo = DEMO_STORE
     store = open_store(demo)
     tensors = {}
     for name in store.dense_names():
