@@ -4,6 +4,7 @@ wrapper, seeds."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -70,7 +71,12 @@ async def test_break_and_cancel_release_every_slot(store):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert _leased(engine) == 0
-        assert engine.cache.statistics().reads_in_flight == 0
+        # the cancelled step's prefetches were issued, not awaited: they finish on their own
+        # (bounded: a read left behind for good fails here)
+        deadline = time.monotonic() + 10
+        while engine.cache.statistics().reads_in_flight:
+            assert time.monotonic() < deadline, engine.cache.statistics()
+            await asyncio.sleep(0.01)
 
 
 async def test_concurrent_streams_get_their_own_answers(store):
