@@ -171,3 +171,10 @@ def test_best_peer_takes_the_fastest_peer_per_figure():
         {"tg": None, "pp": None, "pp_by_n": {}},
         {},
     )
+
+
+def test_ik_commit_reads_what_the_build_script_recorded(tmp_path):
+    (tmp_path / "bin").mkdir()
+    assert sec_llama.ik_commit(tmp_path / "bin") is None and sec_llama.ik_commit(None) is None
+    (tmp_path / "COMMIT").write_text("8337e4cd3861406fc04e0854b1409cd1b027fbc9\n")
+    assert sec_llama.ik_commit(tmp_path / "bin") == "8337e4cd3861"

@@ -62,6 +62,15 @@ PREFILL_SIZES = (64, 512, 2048)  # prompt tokens of the in-RAM prefill rows (iss
 # ---- pure figures (unit-tested) -----------------------------------------------------------
 
 
+def ik_commit(bindir: Path | None) -> str | None:
+    """The ik_llama.cpp commit that tools/build_ik_llama_cpp.sh recorded beside `bindir`
+    (its llama-bench JSON has no build_commit); None when unknown."""
+    path = bindir.parent / "COMMIT" if bindir is not None else None
+    if path is None or not path.is_file():
+        return None
+    return path.read_text().strip()[:12] or None
+
+
 def best_peer(
     med: dict[str, dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str | int, str]]:
@@ -553,7 +562,7 @@ def run(ctx: Context) -> Section:
         peer, peer_names = best_peer(med)
         build = (raw.get("llama.cpp") or [{}])[0].get("build_commit")
         ik_build = next((rs[0].get("build_commit") for n, rs in raw.items()
-                         if n.startswith("ik_llama")), None)  # fmt: skip
+                         if n.startswith("ik_llama")), None) or ik_commit(ik_dir)  # fmt: skip
         fits |= {"best_decode": best_tg, "best_prefill": best_pp, "llama_cpp_commit": build,
                  "ik_llama_cpp_commit": ik_build, "best_peer": peer_names}  # fmt: skip
         heads += [
