@@ -1,0 +1,88 @@
+"""`colibri eval` scores the model `colibri run` samples from: on a store as `colibri convert`
+writes it by default (q4_0 experts, q8_0 dense weights: the output head in q8_0 through the
+Q8_0 GEMM), eval's log-probabilities equal the log-softmax of the logits `run` computes for
+the same tokens (a prompt prefilled in chunks, then one token a decode step), bit for bit
+through the same log-sum-exp (ops.logsumexp: f32 exps), and to 1e-6 against a float64 numpy
+log-softmax of those logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.compute import ops
+from colibri.convert import convert
+from colibri.engine import open_engine
+from colibri.eval import scoring
+from tests import hf_models
+
+
+@pytest.fixture(scope="module")
+def q4_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runhead")
+    src = hf_models.save(hf_models.build("mixtral", seed=5), root / "hf")
+    return convert(src, root / "q4", quant="q4_0", dense_quant="q8_0", show_progress=False)
+
+
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+async def _run_logits(engine, prompt: list[int], fed: list[int]) -> np.ndarray:
+    """The logits `run` samples from: `prompt` prefilled in engine.prefill_chunk chunks (its
+    last row), then each token of `fed` as one decode step; f32 [1 + len(fed), vocab]."""
+    seq = engine.new_sequence(n_ctx=len(prompt) + len(fed))
+    for a in range(0, len(prompt), engine.prefill_chunk):
+        last = await engine.forward(seq, prompt[a : a + engine.prefill_chunk])
+    rows = [last]
+    for t in fed:
+        rows.append(await engine.forward(seq, [t]))
+    seq.kv = None
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_perplexity_equals_run_logits(q4_store, batch):
+    rng = np.random.default_rng(0)
+    n_ctx, first = 24, 12
+    async with open_engine(q4_store, n_ctx=n_ctx, batch=batch) as engine:
+        head = engine.model.lm_head
+        assert head.qtype == ops.QType.Q8_0 and head.act_q8  # the store's own q8_0 head
+        engine.prefill_chunk = 5  # prompts in several chunks, as run prefills longer ones
+        vocab = engine.spec.vocab_size
+        tokens = rng.integers(0, vocab, 3 * n_ctx + 7).tolist()
+        res = await scoring.perplexity(engine, tokens, n_ctx)
+        want = []
+        for w in scoring.windows(tokens, n_ctx, None):
+            logits = await _run_logits(engine, w[: first + 1], w[first + 1 : -1])
+            targets = np.asarray(w[first + 1 :])
+            got = scoring.target_logprobs(logits, targets)
+            ref = _log_softmax64(logits)[np.arange(len(targets)), targets]
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)  # f32 exps in C
+            want.append(-got)
+    want = np.concatenate(want)
+    assert res.nll.shape == want.shape == (3 * (n_ctx - 1 - first),)
+    if batch == "split":  # the repo's batch invariance: the same bits as run's rows
+        assert np.array_equal(res.nll, want)
+    else:  # fused rows meet the attention kernels in other groupings
+        np.testing.assert_allclose(res.nll, want, rtol=1e-5)
+
+
+async def test_choices_equal_run_logits(q4_store):
+    rng = np.random.default_rng(1)
+    async with open_engine(q4_store, n_ctx=64) as engine:
+        engine.prefill_chunk = 4
+        vocab = engine.spec.vocab_size
+        items = []
+        for n_ctx, lens in [(9, (3, 1, 4)), (6, (2, 5))]:
+            ctx = rng.integers(0, vocab, n_ctx).tolist()
+            items.append([(ctx, rng.integers(0, vocab, n).tolist()) for n in lens])
+        got = await scoring.score_items(engine, items)
+        for reqs, lps in zip(items, got, strict=True):
+            for (ctx, cont), lp in zip(reqs, lps, strict=True):
+                logits = await _run_logits(engine, ctx, cont[:-1])
+                want = scoring.target_logprobs(logits, np.asarray(cont))
+                assert np.array_equal(lp, want)
