@@ -86,3 +86,24 @@ async def test_choices_equal_run_logits(q4_store):
                 logits = await _run_logits(engine, ctx, cont[:-1])
                 want = scoring.target_logprobs(logits, np.asarray(cont))
                 assert np.array_equal(lp, want)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.05, 3.0])
+def test_compare_logits_equals_float64(scale):
+    """compare_logits (blocked, KL without either log-sum-exp) against numpy's float64
+    log-softmax on the whole arrays, from tiny KL (1e-3 noise: KL ~5e-7) to large; a row
+    against itself gives KL exactly 0."""
+    rng = np.random.default_rng(4)
+    n, vocab = 37, 5003  # rows not a multiple of the block
+    ref = (rng.standard_normal((n, vocab)) * 4).astype(np.float32)
+    x = (ref + scale * rng.standard_normal((n, vocab))).astype(np.float32)
+    x[3] = ref[3]  # one row equal to its reference
+    t = rng.integers(0, vocab, n)
+    nll, ref_nll, kl, top1 = scoring.compare_logits(x, ref, t)
+    lp, rlp = _log_softmax64(x), _log_softmax64(ref)
+    want_kl = (np.exp(rlp) * (rlp - lp)).sum(axis=1)
+    np.testing.assert_allclose(nll, -lp[np.arange(n), t], rtol=1e-7, atol=1e-6)
+    np.testing.assert_allclose(ref_nll, -rlp[np.arange(n), t], rtol=1e-7, atol=1e-6)
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-6, atol=1e-13)
+    assert kl[3] == 0.0 and kl.dtype == nll.dtype == np.float64
+    assert np.array_equal(top1, x.argmax(1) == ref.argmax(1)) and top1[3]
