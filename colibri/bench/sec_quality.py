@@ -210,9 +210,10 @@ async def eval_speed(
     split mode. Every figure counts the tokens fed to the engine per second of wall time
     (eval's own scoring, tokenization and log-softmax included) and, as NAME_cpu, per CPU
     second of the process; NAME_head is the share of those CPU seconds spent in the output
-    head (Model.logits, timed by a probe the bench installs). Also: bytes_per_token_prefill
-    and bytes_per_token_ppl_MODE (expert bytes read from the store per token fed, last
-    round), ppl_MODE_value (the PPL of those 4 windows) and hellaswag_acc (on `docs`)."""
+    head (Model.logits, timed by a probe the bench installs). Also: bytes_per_token_prefill,
+    bytes_per_token_ppl_MODE and bytes_per_token_hellaswag_MODE (expert bytes read from the
+    store per token fed, last round), ppl_MODE_value (the PPL of those 4 windows) and
+    hellaswag_acc (on `docs`)."""
     from colibri.engine import open_engine
     from colibri.eval.cli import eval_choice, eval_perplexity
 
@@ -284,7 +285,9 @@ async def eval_speed(
                 r = await eval_choice(engine, "hellaswag", docs, "hellaswag",
                                       show_progress=False)  # fmt: skip
                 keep(f"hellaswag_{mode}", r["statistics"]["tokens"])
-                best[f"hit_rate_{mode}"] = r["statistics"]["hit_rate"]
+                st = r["statistics"]
+                best[f"bytes_per_token_hellaswag_{mode}"] = st["bytes_read"] / st["tokens"]
+                best[f"hit_rate_{mode}"] = st["hit_rate"]
                 best["hellaswag_acc"] = r["metrics"]["acc"]
     return best
 
@@ -335,7 +338,8 @@ def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) ->
                     f"{r['hellaswag_fused_cpu'] / r['prefill_cpu']:.2f}",
                     f"{r['hellaswag_fused_head']:.0%}",
                     f"{r['hellaswag_acc']:.3f}",
-                    f"{r['bytes_per_token_prefill']:.0f} / {r['bytes_per_token_ppl_fused']:.0f}",
+                    f"{r['bytes_per_token_prefill']:.0f} / {r['bytes_per_token_ppl_fused']:.0f}"
+                    f" / {r['bytes_per_token_hellaswag_fused']:.0f}",
                 ]
             )
     return rows, data, n
@@ -560,7 +564,7 @@ def run(ctx: Context) -> Section:
                 "hellaswag / prefill (CPU s)",
                 "head share hellaswag",
                 "hellaswag acc",
-                "bytes read / token: prefill / eval PPL",
+                "bytes read / token: prefill / eval PPL / hellaswag",
             ],
             speed_rows,
         ),

@@ -141,9 +141,18 @@ class Counters:
 
 
 # at most this many sequences in one batched forward, and this much KV cache and logits
-# held by one batch of items or windows
+# held by one batch of windows
 MAX_BATCH = 16
 BATCH_NBYTES = 256 << 20
+# a group of multiple-choice items: at most CHOICE_BATCH sequences (every choice one) and
+# CHOICE_NBYTES of KV cache, and no more items once it feeds CHOICE_CHUNKS x the engine's
+# prefill_chunk tokens. A group takes about two forward steps (prefixes, then continuations),
+# each reading every routed expert once (out of core: from the store), where prefill reads
+# them once per prefill_chunk tokens: CHOICE_CHUNKS 4 reads fewer expert bytes per token
+# than prefill whenever the KV budget lets a group grow that far.
+CHOICE_BATCH = 64
+CHOICE_NBYTES = 1 << 30
+CHOICE_CHUNKS = 4
 
 
 async def _feed_batch(
@@ -243,11 +252,12 @@ async def score_items(
     items: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]],
     counters: Counters | None = None,
     *,
-    max_batch: int = MAX_BATCH,
+    max_batch: int = CHOICE_BATCH,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[np.ndarray]]:
     """score_requests of every item, items batched: a group of items (at most max_batch
-    sequences, BATCH_NBYTES of KV cache) prefills its shared prefixes in one batched forward
+    sequences, CHOICE_NBYTES of KV cache, items added until it feeds CHOICE_CHUNKS x
+    engine.prefill_chunk tokens) prefills its shared prefixes in one batched forward
     per chunk; each request then continues from a fork of its item's prefix KV cache, all the
     group's continuations in one batched forward per chunk. In the default split batch mode
     every log-probability is bit-identical to scoring the item alone. progress(n) after each
@@ -265,21 +275,29 @@ async def score_items(
         except EvalError as exc:
             raise EvalError(f"item {i}: {exc}") from None
     out: list[list[np.ndarray]] = []
+    enough = CHOICE_CHUNKS * getattr(engine, "prefill_chunk", 256)
     i = 0
     while i < len(items):
-        group, n_seqs, nbytes = [], 0, 0
-        while i < len(items):
+        group, n_seqs, nbytes, fed = [], 0, 0, 0
+        while i < len(items) and fed < enough:
             n = len(items[i])
             kv = (n + 1) * KVCache.nbytes_for(engine.spec, max(1, needs[i]), dtype)
-            if group and (n_seqs + n > max_batch or nbytes + kv > BATCH_NBYTES):
+            if group and (n_seqs + n > max_batch or nbytes + kv > CHOICE_NBYTES):
                 break
             group.append(i)
             n_seqs, nbytes, i = n_seqs + n, nbytes + kv, i + 1
+            fed += _fed(items[group[-1]])
         out += await _score_group(engine, [items[g] for g in group],
                                   [needs[g] for g in group], counters)  # fmt: skip
         if progress is not None:
             progress(len(group))
     return out
+
+
+def _fed(requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Tokens an item feeds: its shared prefix once, each request's rest but the last."""
+    n = _shared_prefix(requests)
+    return n + sum(len(c) + len(t) - 1 - n for c, t in requests)
 
 
 async def _score_group(
