@@ -13,7 +13,9 @@ mean / p99 KL(f32 || variant), top-1 agreement, routing agreement (identical top
 averaged over MoE layers). Eval tokens/s stands next to the same engine's prefill tokens/s
 (`Engine.forward` on one 128-token prompt, as `colibri run` prefills). llama.cpp's
 llama-perplexity on the q4_0 GGUF (colibri.export_gguf, same bytes) beside colibri's when
-tools/build_llama_cpp.sh has built it.
+tools/build_llama_cpp.sh has built it. The q4_0 store as `colibri convert` writes it by default
+(dense weights, the output head among them, in q8_0) gets a quality row of its own, and the
+eval-speed table measures it beside the f32-head store: it is the store `colibri run` runs.
 """
 
 from __future__ import annotations
@@ -463,6 +465,26 @@ def run(ctx: Context) -> Section:
                 "",
             ]
         )
+        # the store `colibri convert --quant q4_0` writes: dense weights (the head) in q8_0
+        q4d = requantize(ref, work / f"{name}-q4_0-dense_q8_0", "q4_0", dense="q8_0")
+        ctx.log(f"quality: {name} q4_0, dense q8_0, activations q8_0")
+        r = asyncio.run(_measure(q4d, ref, text, "q8_0", windows, ctx.threads))
+        results["q4_0/q8_0/dense_q8_0"] = r
+        rows.append(
+            [
+                f"{name} (dense q8_0: convert's default)",
+                "q4_0",
+                "q8_0",
+                fmt(r["ppl"], 4),
+                fmt(r["kl_mean"], 3),
+                fmt(r["kl_p99"], 3),
+                f"{r['top1']:.3f}",
+                "-" if r["routing"] is None else f"{r['routing']:.3f}",
+                fmt(r["eval_tok_s"], 4),
+                fmt(r["prefill_tok_s"], 4),
+                "",
+            ]
+        )
         data["models"][name] = results
         q4 = results["q4_0/q8_0"]
         heads.append(
@@ -506,7 +528,9 @@ def run(ctx: Context) -> Section:
         "results.json). eval tok/s counts every token fed; prefill tok/s: one "
         f"{CTX}-token prompt through `Engine.forward`, median of 3 (after the eval run: warm "
         "cache). The row marked 1/3 runs the q4_0 store with an expert cache of a third of its "
-        "experts (out of core; records come from the page cache here). The Mixtral-shaped "
+        "experts (out of core; records come from the page cache here); the row marked dense "
+        "q8_0 the q4_0 store as `colibri convert` writes it (embeddings, attention and output "
+        "head in q8_0): what a quantized head adds. The Mixtral-shaped "
         "model has random weights (PPL near its vocabulary size): its KL and routing figures "
         "are what tell formats apart.",
         "",
