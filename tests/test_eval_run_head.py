@@ -107,3 +107,36 @@ def test_compare_logits_equals_float64(scale):
     np.testing.assert_allclose(kl, want_kl, rtol=1e-6, atol=1e-13)
     assert kl[3] == 0.0 and kl.dtype == nll.dtype == np.float64
     assert np.array_equal(top1, x.argmax(1) == ref.argmax(1)) and top1[3]
+
+
+async def test_choice_groups_feed_four_prefill_chunks(q4_store, monkeypatch):
+    """score_items' groups grow until they feed CHOICE_CHUNKS x prefill_chunk tokens (then
+    every expert a group routes to is read about twice for that many tokens, where prefill
+    reads it once a chunk), capped by max_batch sequences; results as one item at a time."""
+    rng = np.random.default_rng(2)
+    groups: list[int] = []
+    inner = scoring._score_group
+
+    async def spy(engine, items, needs, counters):
+        groups.append(sum(scoring._fed(reqs) for reqs in items))
+        return await inner(engine, items, needs, counters)
+
+    async with open_engine(q4_store, n_ctx=64, batch="split") as engine:
+        engine.prefill_chunk = 32
+        vocab = engine.spec.vocab_size
+        items = [
+            [(ctx, rng.integers(0, vocab, n).tolist()) for n in (2, 4, 3)]
+            for ctx in (rng.integers(0, vocab, 7).tolist() for _ in range(12))
+        ]
+        # an item feeds its 7-token context once and 1 + 3 + 2 continuation tokens: 13
+        assert [scoring._fed(reqs) for reqs in items] == [13] * 12
+        alone = [await scoring.score_requests(engine, reqs) for reqs in items]
+        monkeypatch.setattr(scoring, "_score_group", spy)
+        got = await scoring.score_items(engine, items)
+        assert groups == [130, 26]  # 10 items reach 128 = 4 x 32 tokens; the rest
+        groups.clear()
+        await scoring.score_items(engine, items, max_batch=6)  # 2 items of 3 choices
+        assert groups == [26] * 6
+    for a, b in zip(alone, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert np.array_equal(x, y)
