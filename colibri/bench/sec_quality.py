@@ -13,7 +13,9 @@ mean / p99 KL(f32 || variant), top-1 agreement, routing agreement (identical top
 averaged over MoE layers). Eval tokens/s stands next to the same engine's prefill tokens/s
 (`Engine.forward` on one 128-token prompt, as `colibri run` prefills). llama.cpp's
 llama-perplexity on the q4_0 GGUF (colibri.export_gguf, same bytes) beside colibri's when
-tools/build_llama_cpp.sh has built it.
+tools/build_llama_cpp.sh has built it. The q4_0 store as `colibri convert` writes it by default
+(dense weights, the output head among them, in q8_0) gets a quality row of its own, and the
+eval-speed table measures it beside the f32-head store: it is the store `colibri run` runs.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ def _to_f32(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return ops.dequantize(raw.reshape(shape[0], -1), ops.QType.parse(qtype), shape)
 
 
-def requantize(src: Path, out: Path, qtype: str) -> Path:
+def requantize(src: Path, out: Path, qtype: str, dense: str = "f32") -> Path:
     """A copy of store `src` with expert weights in `qtype` (dequantized from src's format,
-    then quantized) and every dense tensor f32. Kept if `out` exists already."""
+    then quantized) and every dense tensor f32 (dense "f32"), or in the type `colibri
+    convert --dense-quant DENSE` gives it (colibri.convert.dense_qtype: norms and routers stay
+    f32; its default q8_0 is the store `colibri run` runs: embeddings, attention and the
+    output head in q8_0). Kept if `out` exists already."""
     from colibri.compute import ops
-    from colibri.convert import quantize
+    from colibri.convert import dense_qtype, quantize
     from colibri.io.format import ExpertLayout, StoreWriter, open_store
 
     if (out / "manifest.json").exists():
@@ -79,12 +84,14 @@ def requantize(src: Path, out: Path, qtype: str) -> Path:
     with StoreWriter(out, layout, force=True) as w:
         names = store.dense_names()
         shapes = {n: store.dense(n)[2] for n in names}
-        w.begin_dense([(n, "f32", shapes[n]) for n in names])
+        types = {n: "f32" if dense == "f32" else dense_qtype(n, shapes[n], dense) for n in names}
+        w.begin_dense([(n, types[n], shapes[n]) for n in names])
         for n in names:
             data, qt, shape = store.dense(n)
             if data.dtype != np.float32:  # GGML blocks
                 data = ops.dequantize(data, ops.QType.parse(qt), shape)
-            w.write_dense(n, np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+            data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+            w.write_dense(n, data if types[n] == "f32" else quantize(data, types[n]))
         for r in sorted(store.records, key=lambda r: (r.layer, r.expert)):
             rec = experts[r.offset : r.offset + r.nbytes]
             parts = {}
@@ -205,7 +212,10 @@ async def eval_speed(
     split mode. Every figure counts the tokens fed to the engine per second of wall time
     (eval's own scoring, tokenization and log-softmax included) and, as NAME_cpu, per CPU
     second of the process; NAME_head is the share of those CPU seconds spent in the output
-    head (Model.logits, timed by a probe the bench installs)."""
+    head (Model.logits, timed by a probe the bench installs). Also: bytes_per_token_prefill,
+    bytes_per_token_ppl_MODE and bytes_per_token_hellaswag_MODE (expert bytes read from the
+    store per token fed, last round), ppl_MODE_value (the PPL of those 4 windows) and
+    hellaswag_acc (on `docs`)."""
     from colibri.engine import open_engine
     from colibri.eval.cli import eval_choice, eval_perplexity
 
@@ -256,6 +266,7 @@ async def eval_speed(
         for _ in range(rounds):
             # 4 prompts of SPEED_CTX tokens: as many tokens, and as long, as eval's 4 windows
             tick()
+            s0 = split.statistics(components=False)
             for p in range(4):
                 seq = split.new_sequence(n_ctx=SPEED_CTX)
                 prompt = ids[p * SPEED_CTX : (p + 1) * SPEED_CTX]
@@ -263,21 +274,32 @@ async def eval_speed(
                     await split.forward(seq, prompt[start : start + split.prefill_chunk])
                 seq.kv = None
             keep("prefill", 4 * SPEED_CTX)
+            read = split.statistics(components=False).delta(s0).bytes_read
+            best["bytes_per_token_prefill"] = read / (4 * SPEED_CTX)
             for mode, engine in (("fused", fused), ("split", split)):
                 tick()
                 r = await eval_perplexity(engine, text, SPEED_CTX, limit=4, show_progress=False)
                 keep(f"ppl_{mode}", r["statistics"]["tokens"])
+                st = r["statistics"]
+                best[f"bytes_per_token_ppl_{mode}"] = st["bytes_read"] / st["tokens"]
+                best[f"ppl_{mode}_value"] = r["metrics"]["ppl"]
                 tick()
                 r = await eval_choice(engine, "hellaswag", docs, "hellaswag",
                                       show_progress=False)  # fmt: skip
                 keep(f"hellaswag_{mode}", r["statistics"]["tokens"])
-                best[f"hit_rate_{mode}"] = r["statistics"]["hit_rate"]
+                st = r["statistics"]
+                best[f"bytes_per_token_hellaswag_{mode}"] = st["bytes_read"] / st["tokens"]
+                best[f"hit_rate_{mode}"] = st["hit_rate"]
+                best["hellaswag_acc"] = r["metrics"]["acc"]
     return best
 
 
 def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) -> tuple:
-    """The eval-speed table: per model its q4_0 store (eval's default q8_0 activations), in
-    core and with an expert cache of a third of its experts."""
+    """The eval-speed table: per model its q4_0 store (eval's default activations) as
+    `colibri convert --quant q4_0` writes it (dense weights, the output head among them, in
+    q8_0: the store `colibri run` runs), in core and with an expert cache of a third of its
+    experts, and in core the same experts with f32 dense weights (the quality table's store:
+    an f32 head)."""
     import json
 
     from colibri.io.format import open_store
@@ -286,16 +308,23 @@ def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) ->
     with lzma.open(_shared(HELLASWAG), "rt") as f:
         docs = [json.loads(next(f)) for _ in range(n)]
     rows, data = [], {}
-    for name in models:
+    for name, ref in models.items():
+        q4d = requantize(ref, work / f"{name}-q4_0-dense_q8_0", "q4_0", dense="q8_0")
         q4 = work / f"{name}-q4_0"
-        third = sum(r.nbytes for r in open_store(q4).records) // 3
-        for label, budget in (("in core", None), ("1/3 of experts cached", third)):
-            ctx.log(f"quality: eval speed {name} q4_0 {label}")
-            r = asyncio.run(eval_speed(q4, text, docs, threads=ctx.threads, budget=budget))
-            data[f"{name}/{label}"] = r
+        third = sum(r.nbytes for r in open_store(q4d).records) // 3
+        runs = (
+            ("q8_0 (convert's default)", q4d, "in core", None),
+            ("q8_0 (convert's default)", q4d, "1/3 of experts cached", third),
+            ("f32", q4, "in core", None),
+        )
+        for dense, store, label, budget in runs:
+            ctx.log(f"quality: eval speed {name} q4_0, dense {dense}, {label}")
+            r = asyncio.run(eval_speed(store, text, docs, threads=ctx.threads, budget=budget))
+            data[f"{name}/dense {dense.split()[0]}/{label}"] = r
             rows.append(
                 [
                     name,
+                    dense,
                     label,
                     fmt(r["prefill"], 4),
                     fmt(r["ppl_fused"], 4),
@@ -310,6 +339,9 @@ def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) ->
                     fmt(r["hellaswag_fused_cpu"], 4),
                     f"{r['hellaswag_fused_cpu'] / r['prefill_cpu']:.2f}",
                     f"{r['hellaswag_fused_head']:.0%}",
+                    f"{r['hellaswag_acc']:.3f}",
+                    f"{r['bytes_per_token_prefill']:.0f} / {r['bytes_per_token_ppl_fused']:.0f}"
+                    f" / {r['bytes_per_token_hellaswag_fused']:.0f}",
                 ]
             )
     return rows, data, n
@@ -433,6 +465,26 @@ def run(ctx: Context) -> Section:
                 "",
             ]
         )
+        # the store `colibri convert --quant q4_0` writes: dense weights (the head) in q8_0
+        q4d = requantize(ref, work / f"{name}-q4_0-dense_q8_0", "q4_0", dense="q8_0")
+        ctx.log(f"quality: {name} q4_0, dense q8_0, activations q8_0")
+        r = asyncio.run(_measure(q4d, ref, text, "q8_0", windows, ctx.threads))
+        results["q4_0/q8_0/dense_q8_0"] = r
+        rows.append(
+            [
+                f"{name} (dense q8_0: convert's default)",
+                "q4_0",
+                "q8_0",
+                fmt(r["ppl"], 4),
+                fmt(r["kl_mean"], 3),
+                fmt(r["kl_p99"], 3),
+                f"{r['top1']:.3f}",
+                "-" if r["routing"] is None else f"{r['routing']:.3f}",
+                fmt(r["eval_tok_s"], 4),
+                fmt(r["prefill_tok_s"], 4),
+                "",
+            ]
+        )
         data["models"][name] = results
         q4 = results["q4_0/q8_0"]
         heads.append(
@@ -456,7 +508,7 @@ def run(ctx: Context) -> Section:
         )
     speed_rows, data["speed"], n_items = _speed_rows(ctx, models, work, text)
     for name in models:
-        r = data["speed"][f"{name}/in core"]
+        r = data["speed"][f"{name}/dense q8_0/in core"]
         heads.append(
             Headline(
                 f"{name}: eval hellaswag vs prefill tok/s (q4_0)",
@@ -476,7 +528,9 @@ def run(ctx: Context) -> Section:
         "results.json). eval tok/s counts every token fed; prefill tok/s: one "
         f"{CTX}-token prompt through `Engine.forward`, median of 3 (after the eval run: warm "
         "cache). The row marked 1/3 runs the q4_0 store with an expert cache of a third of its "
-        "experts (out of core; records come from the page cache here). The Mixtral-shaped "
+        "experts (out of core; records come from the page cache here); the row marked dense "
+        "q8_0 the q4_0 store as `colibri convert` writes it (embeddings, attention and output "
+        "head in q8_0): what a quantized head adds. The Mixtral-shaped "
         "model has random weights (PPL near its vocabulary size): its KL and routing figures "
         "are what tell formats apart.",
         "",
@@ -509,12 +563,17 @@ def run(ctx: Context) -> Section:
         "CPU s divide tokens by the CPU seconds of the process instead of wall seconds: on "
         "a loaded machine the steadier ratio. Head share: the fraction of eval's CPU seconds "
         "spent in the output head (final norm and lm_head, on every scored row; prefill runs "
-        "it on one row a prompt): where it is large, eval is bound below prefill by it.",
+        "it on one row a prompt): where it is large, eval is bound below prefill by it. "
+        "Dense q8_0: the store `colibri convert --quant q4_0` writes by default (embeddings, "
+        "attention and output head in q8_0, through the same Q8_0 kernels as `run`); dense "
+        "f32: the quality table's store (an f32 head). Bytes read per token: expert bytes "
+        "from the store per token fed (0 in core).",
         "",
         table(
             [
                 "model",
-                "experts",
+                "dense weights (head)",
+                "experts cached",
                 "prefill tok/s",
                 "eval PPL tok/s",
                 "PPL / prefill",
@@ -528,6 +587,8 @@ def run(ctx: Context) -> Section:
                 "eval hellaswag tok/CPU s",
                 "hellaswag / prefill (CPU s)",
                 "head share hellaswag",
+                "hellaswag acc",
+                "bytes read / token: prefill / eval PPL / hellaswag",
             ],
             speed_rows,
         ),

@@ -45,6 +45,44 @@ def target_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return x[np.arange(len(targets)), targets].astype(np.float64) - ops.logsumexp(x)
 
 
+# rows of logits one block of compare_logits works on (two f32 temporaries of this many rows)
+COMPARE_BLOCK = 16
+
+
+def compare_logits(
+    logits: np.ndarray, ref_logits: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of f32 logits [n, vocab] and the reference's f32 [n, vocab] with token ids
+    targets [n]: (nll, ref_nll, kl, top1) = (-log p(target), -log p_ref(target),
+    KL(p_ref || p), argmax p == argmax p_ref), float64 [n] x 3 and bool [n]. nll and ref_nll:
+    the target's logit minus the row's log-sum-exp (ops.logsumexp). KL in float64 on blocks
+    of COMPARE_BLOCK rows (no [n, vocab] float64 array), from d = ref_logits - logits and
+    e = exp(ref_logits - max) alone, so that neither log-sum-exp's rounding enters it:
+    KL = sum_j p_ref,j d_j - (L_ref - L) with L_ref - L = -log1p(sum_j p_ref,j expm1(-d_j))
+    and p_ref = e / sum e (precise for small d, where KL is small). A row equal to its
+    reference gives KL exactly 0."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    xr = np.ascontiguousarray(ref_logits, dtype=np.float32)
+    t = np.asarray(targets)
+    idx = np.arange(len(t))
+    nll = ops.logsumexp(x) - x[idx, t].astype(np.float64)
+    ref_nll = ops.logsumexp(xr) - xr[idx, t].astype(np.float64)
+    top1 = x.argmax(axis=1) == xr.argmax(axis=1)
+    kl = np.empty(len(t), np.float64)
+    for a in range(0, len(t), COMPARE_BLOCK):
+        r = xr[a : a + COMPARE_BLOCK].astype(np.float64)
+        d = r - x[a : a + COMPARE_BLOCK]  # exact: the difference of two f32 in f64
+        r -= r.max(axis=1, keepdims=True)
+        np.exp(r, out=r)  # e
+        s0 = r.sum(axis=1)
+        s1 = np.einsum("ij,ij->i", r, d)
+        np.negative(d, out=d)
+        np.expm1(d, out=d)
+        s2 = np.einsum("ij,ij->i", r, d)  # sum e (exp(-d) - 1)
+        kl[a : a + len(s0)] = s1 / s0 + np.log1p(s2 / s0)
+    return nll, ref_nll, kl, top1
+
+
 def added_bos(tokenizer: Any) -> int | None:
     """The id the tokenizer's post-processor puts in front of encoded text (its BOS), or None
     when it adds nothing in front. Taken from the encoding itself, not from configuration
@@ -103,9 +141,18 @@ class Counters:
 
 
 # at most this many sequences in one batched forward, and this much KV cache and logits
-# held by one batch of items or windows
+# held by one batch of windows
 MAX_BATCH = 16
 BATCH_NBYTES = 256 << 20
+# a group of multiple-choice items: at most CHOICE_BATCH sequences (every choice one) and
+# CHOICE_NBYTES of KV cache, and no more items once it feeds CHOICE_CHUNKS x the engine's
+# prefill_chunk tokens. A group takes about two forward steps (prefixes, then continuations),
+# each reading every routed expert once (out of core: from the store), where prefill reads
+# them once per prefill_chunk tokens: CHOICE_CHUNKS 4 reads fewer expert bytes per token
+# than prefill whenever the KV budget lets a group grow that far.
+CHOICE_BATCH = 64
+CHOICE_NBYTES = 1 << 30
+CHOICE_CHUNKS = 4
 
 
 async def _feed_batch(
@@ -205,11 +252,12 @@ async def score_items(
     items: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]],
     counters: Counters | None = None,
     *,
-    max_batch: int = MAX_BATCH,
+    max_batch: int = CHOICE_BATCH,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[np.ndarray]]:
     """score_requests of every item, items batched: a group of items (at most max_batch
-    sequences, BATCH_NBYTES of KV cache) prefills its shared prefixes in one batched forward
+    sequences, CHOICE_NBYTES of KV cache, items added until it feeds CHOICE_CHUNKS x
+    engine.prefill_chunk tokens) prefills its shared prefixes in one batched forward
     per chunk; each request then continues from a fork of its item's prefix KV cache, all the
     group's continuations in one batched forward per chunk. In the default split batch mode
     every log-probability is bit-identical to scoring the item alone. progress(n) after each
@@ -227,21 +275,29 @@ async def score_items(
         except EvalError as exc:
             raise EvalError(f"item {i}: {exc}") from None
     out: list[list[np.ndarray]] = []
+    enough = CHOICE_CHUNKS * getattr(engine, "prefill_chunk", 256)
     i = 0
     while i < len(items):
-        group, n_seqs, nbytes = [], 0, 0
-        while i < len(items):
+        group, n_seqs, nbytes, fed = [], 0, 0, 0
+        while i < len(items) and fed < enough:
             n = len(items[i])
             kv = (n + 1) * KVCache.nbytes_for(engine.spec, max(1, needs[i]), dtype)
-            if group and (n_seqs + n > max_batch or nbytes + kv > BATCH_NBYTES):
+            if group and (n_seqs + n > max_batch or nbytes + kv > CHOICE_NBYTES):
                 break
             group.append(i)
             n_seqs, nbytes, i = n_seqs + n, nbytes + kv, i + 1
+            fed += _fed(items[group[-1]])
         out += await _score_group(engine, [items[g] for g in group],
                                   [needs[g] for g in group], counters)  # fmt: skip
         if progress is not None:
             progress(len(group))
     return out
+
+
+def _fed(requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Tokens an item feeds: its shared prefix once, each request's rest but the last."""
+    n = _shared_prefix(requests)
+    return n + sum(len(c) + len(t) - 1 - n for c, t in requests)
 
 
 async def _score_group(
@@ -455,14 +511,11 @@ async def perplexity(
             if ref is None:  # rows: the log-probabilities of the targets
                 nll.append(-rows)
                 continue
-            lp = log_softmax(rows)
-            idx = np.arange(len(targets))
-            nll.append(-lp[idx, targets])
-            ref_rows = ref[0][b]
-            ref_lp = log_softmax(ref_rows)
-            kl.append((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=1))
-            top1.append(ref_rows.argmax(axis=1) == rows.argmax(axis=1))
-            ref_nll.append(-ref_lp[idx, targets])
+            n, r_n, k, t1 = compare_logits(rows, ref[0][b], targets)
+            nll.append(n)
+            ref_nll.append(r_n)
+            kl.append(k)
+            top1.append(t1)
             if routing:
                 assert got[1] is not None and ref[1] is not None
                 a = np.sort(got[1][b][:, moe], axis=-1)
