@@ -71,7 +71,7 @@ def test_matvec_1d_threads_and_buffers(isa):
 
 @pytest.mark.parametrize("cols", [32, 256, 544])
 def test_f32_rows_do_not_depend_on_their_neighbours(isa, cols):
-    """F32 weights (AVX-512: the register-tiled kernel, 4 x rows by 3 weight rows a tile):
+    """F32 weights (AVX-512 kernel):
     each output is the same bits whatever x rows and weight rows share the call, for any
     thread count (batch invariance), and matches numpy."""
     if isa == ops.ISA.AVX2:
