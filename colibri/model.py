@@ -373,8 +373,9 @@ class Model:
 
     activations: "q8_0" (quantized weights multiply Q8_0-quantized activations, see
     ops.matmul_q8; float weights stay f32), "q8_k" (the default: as q8_0, but experts whose
-    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations, and
-    dense Q8K_ACT_TYPES matrices ops.matmul_q8k) or "f32" (exact).
+    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations, the
+    shared expert and dense MLP by the same rule, and dense Q8K_ACT_TYPES matrices
+    ops.matmul_q8k) or "f32" (exact).
     pad: every matmul and expert FFN runs on rows padded to a multiple of `pad` (4: each
     row's result is the same in any batch; 1: no padding, fastest alone). dense=False loads no
     dense tensor: only expert_ffn works (an expert owner on another machine, colibri/cluster).
@@ -1398,22 +1399,29 @@ class Model:
             # d_ff not a multiple of 32: down_proj stays f32 under a block dense quant
             qts = (gate.qtype, up.qtype, down.qtype)
             mixed = len(set(qts)) > 1
-            ops.expert_ffn(
-                y,
-                h,
-                gate.w,
-                up.w,
-                down.w,
-                gate.qtype,
-                self.spec.d_model,
-                gate.rows,
-                act=act,
-                limit=self.spec.moe.limit,
-                accumulate=False,
-                act_q8=gate.act_q8 and not mixed,
-                nthreads=self.nthreads,
-                qtypes=qts if mixed else None,
-            )
+            if gate.act_q8k and up.act_q8k and down.act_q8k:  # as routed K-quant experts
+                ops.expert_ffn_q8k(
+                    y, np.ascontiguousarray(h), gate.w, up.w, down.w, qts, self.spec.d_model,
+                    gate.rows, act=act, limit=self.spec.moe.limit, accumulate=False,
+                    nthreads=self.nthreads,
+                )  # fmt: skip
+            else:
+                ops.expert_ffn(
+                    y,
+                    h,
+                    gate.w,
+                    up.w,
+                    down.w,
+                    gate.qtype,
+                    self.spec.d_model,
+                    gate.rows,
+                    act=act,
+                    limit=self.spec.moe.limit,
+                    accumulate=False,
+                    act_q8=gate.act_q8 and not mixed,
+                    nthreads=self.nthreads,
+                    qtypes=qts if mixed else None,
+                )
             if "shared_expert_gate" in w and kind == "shared":
                 g = w["shared_expert_gate"](h)
                 y *= 1.0 / (1.0 + np.exp(-g))
