@@ -210,7 +210,7 @@ def make_plan(
     if profile is not None:
         mem_bw, mem_source = profile.memory_read_gbps, f"profile {profile.path}"
     elif measure:
-        mem_bw, mem_source = memory_read_gbps(128 << 20, repeat=2), "measured now (numpy sum)"
+        mem_bw, mem_source = memory_read_gbps(128 << 20, repeat=2), "measured now (SIMD read)"
     tok_s: dict[str, float | None] = dict.fromkeys(("storage", "compute", "combined", "serial"))
     if mem_bw is not None and (disk is not None or read_per_token == 0):
         b = bounds(read_per_token, disk or 1.0, touched / (mem_bw * 1e9))
