@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import signal
 import sys
+from typing import NoReturn
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,12 +54,34 @@ def _raise_signalled(signum: int, _frame: object) -> None:
     raise Signalled(signum)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="colibri", description=__doc__.splitlines()[0])
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `colibri run: --ctx must be a whole number >= 1 ...`
+    (no usage block in front; `--help` has it), exit code 2. The subcommands' parsers are of
+    this class too (add_subparsers makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        m = re.fullmatch(r"argument ([^:]+): (.*)", message, re.S)
+        if m:  # "argument --budget/--ram-budget: msg" -> "--budget msg"
+            names = m.group(1).split("/")
+            name = names[0] if names[0].startswith("--") else "/".join(names[:2])
+            why = m.group(2)
+            message = f"{name} {why}" if why.startswith("must") else f"{name}: {why}"
+        else:
+            message += f" (`{self.prog} --help` lists the options)"
+        self.exit(2, f"{self.prog}: {message}\n")
+
+    def command_parser(self, args: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the subcommand `args` chose (this one when none)."""
+        return getattr(self, "commands", {}).get(getattr(args, "command", None), self)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="colibri", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = parser.commands[name] = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
         try:
             mod = importlib.import_module(module)
@@ -82,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ncolibri: interrupted", file=sys.stderr)
         return 130
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser: "colibri run: unrecognized arguments: ..."
+        parser.command_parser(args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

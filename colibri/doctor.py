@@ -240,12 +240,14 @@ def exit_status(checks: list[Check]) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from colibri.run import size_arg
+    from colibri.options import ctx_tokens, positive_size
 
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument("--verify", action="store_true", help="also check every record's checksum")
-    p.add_argument("--budget", type=size_arg, help="expert cache budget the run will use")
-    p.add_argument("--ctx", dest="n_ctx", type=int, default=None, help="context length, tokens")
+    p.add_argument("--budget", type=positive_size, help="expert cache budget the run will use")
+    p.add_argument(
+        "--ctx", dest="n_ctx", type=ctx_tokens, default=None, help="context length, tokens"
+    )
     p.add_argument("--kv", dest="kv_dtype", choices=("f32", "f16"), default="f32")
 
 

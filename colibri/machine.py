@@ -16,7 +16,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,24 +116,24 @@ def o_direct_state(path: str | os.PathLike[str]) -> tuple[str, str]:
 
 # ---- measurements --------------------------------------------------------------------------
 def memory_read_gbps(nbytes: int = 256 << 20, nthreads: int = 0, repeat: int = 3) -> float:
-    """Memory read bandwidth, GB/s (1e9 bytes/s): the best of `repeat` passes of numpy sums over
-    a `nbytes` uint64 buffer (far above L3), split over `nthreads` threads (0: os.cpu_count();
-    numpy releases the GIL in the reduction). A numpy sum is vectorized but not a tuned
-    streaming read, so this is a lower bound on what a kernel can read (DESIGN.md §8 wants a
-    C streaming read; this one function is where it goes when the kernels offer one)."""
+    """Memory read bandwidth, GB/s (1e9 bytes/s): the best of `repeat` streaming SIMD reads
+    (ops.mem_read: vector loads, no stores, GIL released) of an `nbytes` buffer (far above L3)
+    on `nthreads` kernel threads (0: os.cpu_count()), after one warm-up read: the memory read
+    bound of DESIGN.md §8, measured as `colibri bench`'s limits section measures it."""
+    from colibri.compute import ops
+
     nthreads = nthreads or os.cpu_count() or 1
-    a = np.ones(max(8, nbytes) // 8, dtype=np.uint64)
-    parts = np.array_split(a, nthreads)
+    buf = np.ones(max(64, nbytes), np.uint8)
+    ops.mem_read(buf, nthreads)  # page faults and first touch out of the timing
     best = math.inf
-    with ThreadPoolExecutor(nthreads) as ex:
-        for _ in range(max(1, repeat)):
-            t0 = time.perf_counter()
-            list(ex.map(np.sum, parts))
-            best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best / GB
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        ops.mem_read(buf, nthreads)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / GB
 
 
-MEMORY_READ_METHOD = "numpy sum over a buffer far above L3, all threads: a lower bound"
+MEMORY_READ_METHOD = "streaming SIMD read (ops.mem_read) of a buffer far above L3, all threads"
 
 
 @dataclass(frozen=True)

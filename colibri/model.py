@@ -373,8 +373,9 @@ class Model:
 
     activations: "q8_0" (quantized weights multiply Q8_0-quantized activations, see
     ops.matmul_q8; float weights stay f32), "q8_k" (the default: as q8_0, but experts whose
-    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations, and
-    dense Q8K_ACT_TYPES matrices ops.matmul_q8k) or "f32" (exact).
+    gate, up and down are all Q8K_ACT_TYPES run ops.expert_ffn_q8k on Q8_K activations, the
+    shared expert and dense MLP by the same rule, and dense Q8K_ACT_TYPES matrices
+    ops.matmul_q8k) or "f32" (exact).
     pad: every matmul and expert FFN runs on rows padded to a multiple of `pad` (4: each
     row's result is the same in any batch; 1: no padding, fastest alone). dense=False loads no
     dense tensor: only expert_ffn works (an expert owner on another machine, colibri/cluster).
@@ -1073,17 +1074,7 @@ class Model:
             ops.rmsnorm(qa, qa, w["q_a_norm"], eps)
             q = w["q_b"](qa, nthreads=self.nthreads)
         q = q.reshape(n, H, nope + rope)
-        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
-        latent = np.ascontiguousarray(ckv[:, :r])
-        ops.rmsnorm(latent, latent, w["kv_a_norm"], eps)
-        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
-        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
-        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        for t in (q_rope, k_rope):
-            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
-        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
-        cache[pos0 : pos0 + n, 0, :r] = latent
-        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        cache, q_rope = self._mla_cache(i, h, q, kv, pos0)
         q_abs = np.empty((n, H, r + rope), dtype=np.float32)
         if "kv_b" in w:
             ops.mla_absorb_q(
@@ -1119,6 +1110,28 @@ class Model:
             kv_b.w, kv_b.qtype, out, v, nope=nope, rank=rank, nthreads=self.nthreads
         )
 
+    def _mla_cache(
+        self, i: int, h: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """MLA's compressed entry of layer i for the normed input h f32 [n, d_model]: the
+        normed latent c [rank] and the rotated rope key k_r [rope] of each position, written
+        at pos0.. of the latent cache. Returns (that cache f32 [n_ctx, 1, rank + rope], the
+        query's rope part rotated, f32 [n, n_heads, rope], from q [n, n_heads, nope + rope])."""
+        a, w = self.spec.layers[i].attention, self.layers[i]
+        r, nope, rope, n = a.mla.kv_lora_rank, a.mla.qk_nope_head_dim, a.rot_dim, h.shape[0]
+        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
+        latent = np.ascontiguousarray(ckv[:, :r])
+        ops.rmsnorm(latent, latent, w["kv_a_norm"], a.mla.norm_eps)
+        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
+        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        for t in (q_rope, k_rope):
+            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
+        cache[pos0 : pos0 + n, 0, :r] = latent
+        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        return cache, q_rope
+
     def _attention_dsa(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """DeepSeek Sparse Attention of layer i (MLA + the lightning indexer, spec.IndexerSpec)
         on its normed input h f32 [n, d_model]; returns f32 [n, n_heads, v_head_dim].
@@ -1136,17 +1149,7 @@ class Model:
         qa = w["q_a"](h, nthreads=self.nthreads)
         ops.rmsnorm(qa, qa, w["q_a_norm"], m.norm_eps)  # q_resid, also the indexer's input
         q = w["q_b"](qa, nthreads=self.nthreads).reshape(n, H, nope + rope)
-        ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
-        latent = np.ascontiguousarray(ckv[:, :r])
-        ops.rmsnorm(latent, latent, w["kv_a_norm"], m.norm_eps)
-        k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
-        q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
-        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        for t in (q_rope, k_rope):
-            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
-        cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
-        cache[pos0 : pos0 + n, 0, :r] = latent
-        cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
+        cache, q_rope = self._mla_cache(i, h, q, kv, pos0)
         if not x.shared:
             kv.index_sel = self._dsa_select(i, h, qa, kv, pos0)
         elif kv.index_sel is None or len(kv.index_sel) != n:
@@ -1396,22 +1399,29 @@ class Model:
             # d_ff not a multiple of 32: down_proj stays f32 under a block dense quant
             qts = (gate.qtype, up.qtype, down.qtype)
             mixed = len(set(qts)) > 1
-            ops.expert_ffn(
-                y,
-                h,
-                gate.w,
-                up.w,
-                down.w,
-                gate.qtype,
-                self.spec.d_model,
-                gate.rows,
-                act=act,
-                limit=self.spec.moe.limit,
-                accumulate=False,
-                act_q8=gate.act_q8 and not mixed,
-                nthreads=self.nthreads,
-                qtypes=qts if mixed else None,
-            )
+            if gate.act_q8k and up.act_q8k and down.act_q8k:  # as routed K-quant experts
+                ops.expert_ffn_q8k(
+                    y, np.ascontiguousarray(h), gate.w, up.w, down.w, qts, self.spec.d_model,
+                    gate.rows, act=act, limit=self.spec.moe.limit, accumulate=False,
+                    nthreads=self.nthreads,
+                )  # fmt: skip
+            else:
+                ops.expert_ffn(
+                    y,
+                    h,
+                    gate.w,
+                    up.w,
+                    down.w,
+                    gate.qtype,
+                    self.spec.d_model,
+                    gate.rows,
+                    act=act,
+                    limit=self.spec.moe.limit,
+                    accumulate=False,
+                    act_q8=gate.act_q8 and not mixed,
+                    nthreads=self.nthreads,
+                    qtypes=qts if mixed else None,
+                )
             if "shared_expert_gate" in w and kind == "shared":
                 g = w["shared_expert_gate"](h)
                 y *= 1.0 / (1.0 + np.exp(-g))

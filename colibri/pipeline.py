@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from colibri.compute import ops
+from colibri.io.cache import run_to_completion
 from colibri.model import KVCache, Model
 
 T = TypeVar("T")
@@ -131,18 +132,7 @@ class Pipeline:
         runs to its end before the cancellation propagates: buffers it reads (slab slots)
         must not be released under it."""
         t0 = time.perf_counter()
-        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        try:
-            out = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    continue
-                except Exception:
-                    break
-            raise
+        out = await run_to_completion(self.executor, fn, *args)
         self.times.compute += time.perf_counter() - t0
         return out
 

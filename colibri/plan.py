@@ -210,7 +210,7 @@ def make_plan(
     if profile is not None:
         mem_bw, mem_source = profile.memory_read_gbps, f"profile {profile.path}"
     elif measure:
-        mem_bw, mem_source = memory_read_gbps(128 << 20, repeat=2), "measured now (numpy sum)"
+        mem_bw, mem_source = memory_read_gbps(128 << 20, repeat=2), "measured now (SIMD read)"
     tok_s: dict[str, float | None] = dict.fromkeys(("storage", "compute", "combined", "serial"))
     if mem_bw is not None and (disk is not None or read_per_token == 0):
         b = bounds(read_per_token, disk or 1.0, touched / (mem_bw * 1e9))
@@ -320,20 +320,20 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from colibri.run import size_arg
+    from colibri.options import ctx_tokens, number, positive_size
 
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument(
         "--budget",
         "--ram-budget",
         dest="budget",
-        type=size_arg,
+        type=positive_size,
         help="expert cache bytes (default: the profile's, else run's)",
     )
     p.add_argument(
         "--ctx",
         dest="n_ctx",
-        type=_ctx_tokens,
+        type=ctx_tokens,
         default=None,
         help=f"context tokens (default {DEFAULT_N_CTX}, or the model's maximum when smaller)",
     )
@@ -355,13 +355,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--network-gbit",
-        type=float,
+        type=number(0, lo_open=True),
         default=25.0,
         help="--cluster: the coordinator's link, Gbit/s (default 25)",
     )
     p.add_argument(
         "--call-ms",
-        type=float,
+        type=number(0),
         default=1.0,
         help="--cluster: per-layer round trip of a call, ms (default 1; `colibri bench "
         "--sections cluster` measures it)",
@@ -373,12 +373,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not measure what the profile lacks (bounds left out)",
     )
-
-
-def _ctx_tokens(text: str) -> int:
-    from colibri.run import ctx_tokens  # run imports the engine; plan's parser must not
-
-    return ctx_tokens(text)
 
 
 def run_cli(args: argparse.Namespace) -> int:

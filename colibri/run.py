@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import signal
 import sys
 from pathlib import Path
@@ -19,31 +18,19 @@ from typing import Any
 from colibri.engine import DEFAULT_N_CTX, Engine, GenerationStatistics, open_engine
 from colibri.errors import ColibriError, TokenizerError
 from colibri.io.cache import POLICIES
+from colibri.options import (
+    ctx_tokens,
+    number,
+    parse_size,  # noqa: F401  (cluster/shard.py imports it from here)
+    positive_size,
+    size_arg,  # noqa: F401  (serve/cli.py imports it from here)
+    whole,
+)
 from colibri.tokenizer import check_utf8
 
 DEMO_STORE = Path(__file__).parent / "data" / "demo"
 DEMO_PROMPT = "The for statement"
 CHAT_PREFIX_CACHE = 512 << 20  # bytes of prompt KV `colibri chat` keeps between turns
-
-
-def parse_size(text: str) -> int:
-    """'512M', '4G', '1.5GiB', '123456' -> bytes. Raises ValueError naming the value."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    try:
-        return int(float(m.group(1)) * scale)
-    except ValueError:
-        raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)") from None
-
-
-def size_arg(text: str) -> int:
-    """parse_size for argparse (its message reaches the user)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -54,7 +41,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "--ram-budget",
         "--expert-cache",
         dest="budget",
-        type=size_arg,
+        type=positive_size,
         help="bytes of RAM for the expert cache, e.g. 4G (default: all experts if they fit in "
         "half the available memory, else that half)",
     )
@@ -78,7 +65,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="expert reader backend (default: io_uring if available, else threads)",
     )
     g.add_argument(
-        "--threads", type=int, default=0, help="kernel threads (default: physical cores)"
+        "--threads",
+        type=whole(0, "0: one per physical core"),
+        default=0,
+        help="kernel threads (default: physical cores)",
     )
     g.add_argument(
         "--ctx",
@@ -128,7 +118,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--owners-per-node",
-        type=int,
+        type=whole(1),
         default=1,
         help="expert owners (Ray actors) started on each node (default 1)",
     )
@@ -145,7 +135,7 @@ def add_machine_options(g: Any) -> None:
     """--queue-depth and --no-profile (the machine profile written by `colibri tune`)."""
     g.add_argument(
         "--queue-depth",
-        type=int,
+        type=whole(1),
         default=None,
         help="expert reads in flight at most (default: the profile's, else 32)",
     )
@@ -166,23 +156,24 @@ def add_machine_options(g: Any) -> None:
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate")
+    g.add_argument("-n", "--max-tokens", type=whole(1), default=128, help="tokens to generate")
     g.add_argument(
         "--temperature",
         "--temp",
-        type=float,
+        type=number(0, note="0 is greedy"),
         help="0 is greedy (default: the model's generation_config.json, else greedy)",
     )
+    # the ranges SamplingParams checks (colibri/sampling.py)
     for flag, kind in (
-        ("--top-k", int),
-        ("--top-p", float),
-        ("--min-p", float),
-        ("--repetition-penalty", float),
-        ("--presence-penalty", float),
-        ("--frequency-penalty", float),
+        ("--top-k", whole(0, "0: off")),
+        ("--top-p", number(0, 1, lo_open=True)),
+        ("--min-p", number(0, 1)),
+        ("--repetition-penalty", number(0, lo_open=True, note="1: off")),
+        ("--presence-penalty", number(-2, 2)),
+        ("--frequency-penalty", number(-2, 2)),
     ):
         g.add_argument(flag, type=kind, help="default: generation_config.json, else off")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=whole(0), default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -239,17 +230,6 @@ SAMPLING_OPTIONS = (
     "frequency_penalty",
     "seed",
 )
-
-
-def ctx_tokens(text: str) -> int:
-    """argparse type of --ctx: a whole number of tokens >= 1 (argparse names --ctx)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: the context must hold at least 1 token")
-    return n
 
 
 def check_ctx(engine: Engine, args: argparse.Namespace) -> None:

@@ -90,7 +90,7 @@ def measure(
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from colibri.run import size_arg
+    from colibri.options import size_arg
 
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument(

@@ -91,3 +91,48 @@ def test_decode_section_store_presets(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(ctx, "free_bytes", lambda: 1 << 30)
     path, note = sec_decode._store(ctx, 12)
     assert path is None and "deepseek-v4-flash" in note
+
+
+def test_best_disk_takes_the_faster_of_fio_and_the_reader() -> None:
+    from colibri.bench.sec_limits import best_disk
+
+    assert best_disk([1.0, 3.0, 2.0], [2.5, 2.4, 2.6]) == (2.5, "colibri's reader")
+    assert best_disk([1.0, 3.0, 2.0], [1.5]) == (2.0, "fio")
+    assert best_disk([1.2], []) == (1.2, "fio")
+    with pytest.raises(ValueError, match="no disk runs"):
+        best_disk([], [])
+
+
+def test_decode_section_bound_is_not_below_the_readers_rate(tmp_path, monkeypatch) -> None:
+    """When colibri's own reader reads the store faster than fio (fio 0.5 GB/s, reader 2 GB/s
+    here), the storage bound divides by the reader's rate, says so, and a run that reads at
+    1 GB/s is below 100% of it; the tok/s ceiling 1/max(t_io, t_c) is not called a lower bound."""
+    from colibri.bench import sec_decode, sec_limits
+    from colibri.bench.report import Context
+    from colibri.run import DEMO_STORE
+
+    ctx = Context(out=tmp_path, work=tmp_path, quick=True, threads=1, rounds=1)
+    monkeypatch.setattr(sec_decode, "_store", lambda ctx, layers: (DEMO_STORE, ""))
+    monkeypatch.setattr(sec_limits, "fio_gbps", lambda *a, **k: 0.5)
+    monkeypatch.setattr(sec_limits, "reader_gbps", lambda *a, **k: 2.0)
+    per_token = 10 << 20  # bytes read per decode token, at 1 GB/s: 10.5 ms
+
+    def phase(tokens: int) -> bd.Phase:
+        read = per_token * tokens
+        return bd.Phase(tokens, read / 1e9, read / 1e9, 1e-3 * tokens, 0.0, read, 1, 1, 1)
+
+    async def run_passes(path, budget, n_prompt, n_tokens, passes=2, **opts):
+        return [
+            bd.DecodeFigures("uring", budget, i > 0, phase(n_prompt), phase(n_tokens), None)
+            for i in range(passes)
+        ]
+
+    monkeypatch.setattr(sec_decode.bench_decode, "run_passes", run_passes)
+    sec = sec_decode.run(ctx)
+    d = sec.data
+    assert d["disk_gbps"]["decode"] == 2.0 and d["disk_source"] == "colibri's reader"
+    point = d["points"]["fits"]["warm"]["decode"]
+    assert point["bounds"]["storage"] == pytest.approx(2e9 / per_token)
+    assert point["of_storage"] == pytest.approx(0.5)
+    assert "lower bound" not in sec.markdown
+    assert "colibri's reader" in sec.markdown and "of bound" in sec.markdown

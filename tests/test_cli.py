@@ -73,8 +73,12 @@ def test_chat_renders_template(tiny):
         ("context", ["run", "{store}", "-p", "word " * 64, "--ctx", "16"], r"prompt too long"),
         ("sampling", ["run", "{store}", "-p", "x", "--temperature", "-1"], r"temperature"),
         ("budget", ["run", "{store}", "-p", "x", "--budget", "lots"], r"invalid size"),
-        ("ctx 0", ["run", "{store}", "-p", "x", "--ctx", "0"], r"argument --ctx: 0: .*1 token"),
-        ("ctx text", ["serve", "{store}", "--ctx", "4k"], r"argument --ctx: '4k' is not a whole"),
+        (
+            "ctx 0",
+            ["run", "{store}", "-p", "x", "--ctx", "0"],
+            r"--ctx must be .* >= 1 \(got '0'\)",
+        ),
+        ("ctx text", ["serve", "{store}", "--ctx", "4k"], r"--ctx must be a whole number .*'4k'"),
         # the tiny models' max_position_embeddings is 256: more is refused, naming both
         (
             "ctx above max",
@@ -174,3 +178,151 @@ def test_run_records_a_routing_trace_that_replay_reads(tmp_path):
     np.testing.assert_allclose(t.weights.sum(-1), 1.0, rtol=1e-5)  # Mixtral renormalises
     res = colibri("replay", str(trace), "--offline", "--budget-records", "8")
     assert res.returncode == 0 and "belady" in res.stdout, res.stderr
+
+
+# (argv, the one line printed): every subcommand that shares run's options names the option
+# and its rule before opening any model (the store path need not exist)
+BAD_VALUES = [
+    (["run", "--ctx", "0"], "colibri run: --ctx must be a whole number >= 1 (got '0')"),
+    (["chat", "--ctx", "4k"], "colibri chat: --ctx must be a whole number >= 1 (got '4k')"),
+    (["serve", "--ctx", "-1"], "colibri serve: --ctx must be a whole number >= 1 (got '-1')"),
+    (["eval", "--ctx", "0"], "colibri eval: --ctx must be a whole number >= 1 (got '0')"),
+    (["plan", "--ctx", "0"], "colibri plan: --ctx must be a whole number >= 1 (got '0')"),
+    (["doctor", "--ctx", "0"], "colibri doctor: --ctx must be a whole number >= 1 (got '0')"),
+    (
+        ["run", "--budget", "0"],
+        "colibri run: --budget must be a positive number of bytes (got '0')",
+    ),
+    (
+        ["serve", "--budget", "lots"],
+        "colibri serve: --budget: invalid size 'lots' (examples: 512M, 4G, 1.5GiB)",
+    ),
+    (
+        ["plan", "--budget", "0"],
+        "colibri plan: --budget must be a positive number of bytes (got '0')",
+    ),
+    (["run", "-n", "0"], "colibri run: -n/--max-tokens must be a whole number >= 1 (got '0')"),
+    (
+        ["run", "--temperature", "-1"],
+        "colibri run: --temperature must be a number >= 0; 0 is greedy (got '-1')",
+    ),
+    (
+        ["chat", "--temp", "nan"],
+        "colibri chat: --temperature must be a number >= 0; 0 is greedy (got 'nan')",
+    ),
+    (["run", "--top-p", "2"], "colibri run: --top-p must be a number in (0, 1] (got '2')"),
+    (["run", "--top-p", "0"], "colibri run: --top-p must be a number in (0, 1] (got '0')"),
+    (
+        ["run", "--top-k", "-3"],
+        "colibri run: --top-k must be a whole number >= 0; 0: off (got '-3')",
+    ),
+    (["run", "--min-p", "1.5"], "colibri run: --min-p must be a number in [0, 1] (got '1.5')"),
+    (
+        ["run", "--repetition-penalty", "0"],
+        "colibri run: --repetition-penalty must be a number > 0; 1: off (got '0')",
+    ),
+    (
+        ["chat", "--presence-penalty", "3"],
+        "colibri chat: --presence-penalty must be a number in [-2, 2] (got '3')",
+    ),
+    (["run", "--seed", "-1"], "colibri run: --seed must be a whole number >= 0 (got '-1')"),
+    (
+        ["run", "--threads", "x"],
+        "colibri run: --threads must be a whole number >= 0; 0: one per physical core (got 'x')",
+    ),
+    (
+        ["eval", "--queue-depth", "0"],
+        "colibri eval: --queue-depth must be a whole number >= 1 (got '0')",
+    ),
+    (
+        ["run", "--owners-per-node", "0"],
+        "colibri run: --owners-per-node must be a whole number >= 1 (got '0')",
+    ),
+    (["plan", "--call-ms", "-1"], "colibri plan: --call-ms must be a number >= 0 (got '-1')"),
+    (
+        ["run", "--io", "disk"],
+        "colibri run: --io: invalid choice: 'disk' (choose from 'auto', "
+        "'uring', 'threads', 'mmap')",
+    ),
+    (
+        ["serve", "--frob"],
+        "colibri serve: unrecognized arguments: --frob (`colibri serve --help` lists the options)",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, line", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_option_value_is_one_line_exit_2(capsys, argv, line):
+    from colibri import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def _accepts(parse, text):
+    import argparse
+
+    try:
+        parse(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+PROBES = ["-3", "-2", "-1", "-0.5", "0", "0.5", "1", "1.5", "2", "2.5", "30", "nan", "inf"]
+
+
+@pytest.mark.parametrize(
+    "flag, field, kind",
+    [
+        ("--temperature", "temperature", float),
+        ("--top-k", "top_k", int),
+        ("--top-p", "top_p", float),
+        ("--min-p", "min_p", float),
+        ("--repetition-penalty", "repetition_penalty", float),
+        ("--presence-penalty", "presence_penalty", float),
+        ("--frequency-penalty", "frequency_penalty", float),
+        ("--seed", "seed", int),
+        ("--max-tokens", "max_tokens", int),
+        ("--threads", "threads", int),
+        ("--queue-depth", "queue_depth", int),
+        ("--owners-per-node", "owners_per_node", int),
+        ("--ctx", "n_ctx", int),
+        ("--budget", "budget", "size"),
+    ],
+)
+def test_cli_ranges_are_the_libraries_ranges(flag, field, kind):
+    """An option's value is accepted by the command line exactly when SamplingParams or
+    EngineOptions accepts it (the rules are written twice; this holds them together)."""
+    import argparse
+
+    from colibri.engine import EngineOptions
+    from colibri.errors import ColibriError
+    from colibri.options import parse_size
+    from colibri.run import configure_parser
+    from colibri.sampling import SamplingParams
+
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    parse = next(a for a in p._actions if flag in a.option_strings).type
+    owner = SamplingParams if field in SamplingParams.__dataclass_fields__ else EngineOptions
+    for text in PROBES:
+        try:
+            if kind == "size":
+                value = parse_size(text)
+            else:
+                value = kind(float(text)) if kind is int else float(text)
+        except (OverflowError, ValueError):  # int(nan), int(inf): never a whole number
+            assert not _accepts(parse, text), (flag, text)
+            continue
+        if kind is int and value != float(text):
+            assert not _accepts(parse, text), (flag, text)
+            continue
+        try:
+            owner(**{field: value})
+            library = True
+        except ColibriError:
+            library = False
+        assert _accepts(parse, text) == library, (flag, text, library)

@@ -513,3 +513,35 @@ async def test_prefetch_cancelled_before_it_started_frees_its_slot_and_waiters()
     check_slots(cache, pool)
     st = cache.statistics()
     assert st.reads == 1 and st.misses == 1 and st.reads_in_flight == 0
+
+
+async def test_run_to_completion_lets_fn_finish_before_the_cancellation():
+    """The caller cancelled while fn runs in the executor: CancelledError reaches it only after
+    fn returned (what fn reads, a slab slot, is not freed under it); results and errors pass
+    through otherwise. The compute thread (pipeline.py) and record hashing share it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colibri.io.cache import run_to_completion
+
+    started, release, log = threading.Event(), threading.Event(), []
+
+    def slow() -> int:
+        started.set()
+        release.wait(5)
+        log.append("fn done")
+        return 7
+
+    with ThreadPoolExecutor(1) as ex:
+        task = asyncio.create_task(run_to_completion(ex, slow))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for fn
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert log == ["fn done"]
+        assert await run_to_completion(ex, lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await run_to_completion(None, lambda: 1 / 0)

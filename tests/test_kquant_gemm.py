@@ -260,3 +260,60 @@ def test_dense_k_quant_matrices_run_on_q8k():
     assert not Linear(w, ops.QType.Q6_K, 40, 512, None, act_q8=True).act_q8k
     w4, _ = random_weights(rng, ops.QType.Q4_0, 8, 96)
     assert not Linear(w4, ops.QType.Q4_0, 8, 96, None, act_q8=True, act_q8k=True).act_q8k
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_k_quant_shared_expert_runs_on_q8k_as_the_routed_experts(tmp_path, monkeypatch):
+    """activations="q8_k": a Qwen2-MoE shared expert stored in Q4_K (dense_quant q4_k) runs on
+    Q8_K activations, the routed K-quant experts' rule, and matches the float64 FFN of its
+    gguf-dequantized weights on Q8_K round trips of h and the hidden, times
+    sigmoid(shared_expert_gate h); activations="q8_0" keeps it on Q8_0."""
+    pytest.importorskip("torch")
+    gguf = pytest.importorskip("gguf")
+    from colibri.convert import convert
+    from colibri.io.format import open_store
+    from colibri.model import Model
+    from colibri.registry import model_spec
+    from tests import hf_models
+    from tests.kernel_util import FFN_TOL
+
+    dims = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256}
+    model = hf_models.build("qwen2_moe", seed=4, shared_expert_intermediate_size=256, **dims)
+    src = hf_models.save(model, tmp_path / "hf")
+    store = open_store(convert(src, tmp_path / "k", quant="q4_k", dense_quant="q4_k"))
+    spec = model_spec(store.config)
+    names = store.dense_names()
+    i = next(
+        j
+        for j in range(len(spec.layers))
+        if f"model.layers.{j}.mlp.shared_expert_gate.weight" in names
+    )
+    p = f"model.layers.{i}.mlp.shared_expert"
+    assert all(store.dense_qtype(f"{p}.{n}.weight") == "q4_k" for n in ("gate_proj", "down_proj"))
+
+    def weight(name: str) -> np.ndarray:
+        raw, qtype, shape = store.dense(name)
+        assert qtype == "q4_k", name
+        q4k = gguf.GGMLQuantizationType.Q4_K
+        return gguf.quants.dequantize(np.asarray(raw).reshape(shape[0], -1), q4k)
+
+    gf, uf, df = (weight(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
+    g_w = np.asarray(store.dense(f"model.layers.{i}.mlp.shared_expert_gate.weight")[0])
+    h = (0.5 * np.random.default_rng(0).standard_normal((5, 256))).astype(np.float32)
+    want, slack = _ffn_reference(h, gf, uf, df, np.ones(5, np.float32))
+    want *= 1.0 / (1.0 + np.exp(-(h.astype(np.float64) @ g_w.astype(np.float64).T)))
+
+    calls = []
+    real = ops.expert_ffn_q8k
+    monkeypatch.setattr(ops, "expert_ffn_q8k", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for activations in ("q8_k", "q8_0"):
+        calls.clear()
+        m = Model(store, spec, activations=activations)
+        out = np.zeros_like(h)
+        m.dense_ffn(i, h, out)
+        assert bool(calls) == (activations == "q8_k"), activations
+        if activations == "q8_k":
+            assert np.linalg.norm(out - want) <= FFN_TOL * np.linalg.norm(want) + slack
+            alone = np.zeros_like(h[:1])
+            m.dense_ffn(i, np.ascontiguousarray(h[2:3]), alone)  # batch invariant
+            np.testing.assert_array_equal(alone[0].view(np.uint32), out[2].view(np.uint32))

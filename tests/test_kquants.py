@@ -5,10 +5,6 @@ quantization error, and float64 dequantize-then-matmul references for the kernel
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import gguf
 import numpy as np
 import pytest
@@ -18,7 +14,15 @@ from colibri.compute import ops, ref
 from colibri.errors import KernelError, StoreError
 from colibri.io import format as fmt
 from tests import ggml_kquant_ref
-from tests.kernel_util import FFN_TOL, KQUANT_TYPES, MATMUL_TOL, SUPER_TYPES, matmul_err
+from tests.kernel_util import (
+    FFN_TOL,
+    KQUANT_TYPES,
+    MATMUL_TOL,
+    SUPER_TYPES,
+    matmul_err,
+    needs_avx512_emulation,
+    run_avx512_emulated,
+)
 
 GGML_TYPES = [q for q in KQUANT_TYPES if q != ops.QType.FP8]
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -348,31 +352,12 @@ def test_expert_ffn_per_tensor_types(isa, types, act_q8):
         )  # fmt: skip
 
 
-EMU = os.path.join(os.path.dirname(__file__), "avx512_emu")
-CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-
-
-@pytest.mark.skipif(ops.best_isa() >= ops.ISA.AVX512, reason="AVX-512 runs natively here")
-@pytest.mark.skipif(
-    not os.path.isdir("/usr/include/simde") or shutil.which("gcc") is None,
-    reason="needs gcc and SIMDe headers (libsimde-dev) to emulate AVX-512",
-)
+@needs_avx512_emulation
 def test_kquants_avx512_emulated(tmp_path):
     """arch/kquants_avx512.c compiled on SIMDe's portable AVX-512 against the scalar twins:
     every issue-15 type, f32 and Q8_0 activations (tests/avx512_emu/kq_harness.c)."""
-    src = tmp_path / "kq_emu.c"
-    with open(os.path.join(CSRC, "arch", "kquants_avx512.c")) as f:  # native pragma dropped
-        src.write_text("".join(ln for ln in f if not ln.startswith("#pragma GCC target")))
-    inc = ["-I", EMU, "-I", CSRC, "-I", os.path.join(CSRC, "arch")]
-    flags = ["gcc", "-O1", "-std=gnu11", "-DSIMDE_NO_NATIVE", "-w", *inc]
-    exe = str(tmp_path / "kq_harness")
-    subprocess.run([*flags, "-c", str(src), "-o", str(tmp_path / "k.o")], check=True)
-    srcs = [os.path.join(EMU, "kq_harness.c")]
-    srcs += [os.path.join(CSRC, f) for f in ("quant.c", "kquants.c", "pool.c", "isa.c")]
-    subprocess.run([*flags, *srcs, str(tmp_path / "k.o"), "-o", exe, "-lm", "-pthread"],
-                   check=True)  # fmt: skip
-    res = subprocess.run([exe], capture_output=True, text=True)
-    assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout
+    files = ["quant.c", "kquants.c", "pool.c", "isa.c"]
+    run_avx512_emulated(tmp_path, "kquants_avx512.c", "kq_harness.c", files)
 
 
 def test_mxfp4_hub_layout_vs_transformers():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -17,7 +16,9 @@ from tests.kernel_util import (
     FLOAT_TYPES,
     MATMUL_TOL,
     matmul_err,
+    needs_avx512_emulation,
     random_weights,
+    run_avx512_emulated,
 )
 
 SHAPES = [(1, 32), (13, 64), (67, 96), (40, 544)]  # rows not a multiple of 8/16, odd blocks
@@ -71,7 +72,7 @@ def test_matvec_1d_threads_and_buffers(isa):
 
 @pytest.mark.parametrize("cols", [32, 256, 544])
 def test_f32_rows_do_not_depend_on_their_neighbours(isa, cols):
-    """F32 weights (AVX-512: the register-tiled kernel, 4 x rows by 3 weight rows a tile):
+    """F32 weights (AVX-512 kernel):
     each output is the same bits whatever x rows and weight rows share the call, for any
     thread count (batch invariance), and matches numpy."""
     if isa == ops.ISA.AVX2:
@@ -123,32 +124,14 @@ def test_selfcheck_cli(capsys):
     assert "matmul" in out and "expert_ffn" in out and " checks passed" in out
 
 
-EMU = os.path.join(os.path.dirname(__file__), "avx512_emu")
-CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-
-
-@pytest.mark.skipif(ops.best_isa() >= ops.ISA.AVX512, reason="AVX-512 runs natively here")
-@pytest.mark.skipif(
-    not os.path.isdir("/usr/include/simde") or shutil.which("gcc") is None,
-    reason="needs gcc and SIMDe headers (libsimde-dev) to emulate AVX-512",
-)
+@needs_avx512_emulation
 def test_avx512_emulated(tmp_path):
     """arch/avx512.c compiled on SIMDe's portable AVX-512 against the scalar twin: all formats,
-    odd sizes, n = 1..8, bias/scale/accumulate (tests/avx512_emu/harness.c)."""
-    src = tmp_path / "avx512_emu.c"
-    with open(os.path.join(CSRC, "arch", "avx512.c")) as f:  # native target pragma dropped
-        src.write_text("".join(ln for ln in f if not ln.startswith("#pragma GCC target")))
-    inc = ["-I", EMU, "-I", CSRC, "-I", os.path.join(CSRC, "arch")]
-    flags = ["gcc", "-O1", "-std=gnu11", "-DSIMDE_NO_NATIVE", "-w", *inc]
-    exe = str(tmp_path / "harness")
-    subprocess.run([*flags, "-c", str(src), "-o", str(tmp_path / "a.o")], check=True)
-    srcs = [os.path.join(EMU, "harness.c"), os.path.join(CSRC, "quant.c")]
-    srcs += [os.path.join(CSRC, "kquants.c")]  # quant.c's quantize/dequantize of the new types
-    srcs += [os.path.join(CSRC, "pool.c"), os.path.join(CSRC, "isa.c")]
-    subprocess.run([*flags, *srcs, str(tmp_path / "a.o"), "-o", exe, "-lm", "-pthread"],
-                   check=True)  # fmt: skip
-    res = subprocess.run([exe], capture_output=True, text=True)
-    assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout
+    odd sizes, n = 1..8, bias/scale/accumulate (tests/avx512_emu/harness.c); quant.c and
+    kquants.c quantize / dequantize the types."""
+    run_avx512_emulated(
+        tmp_path, "avx512.c", "harness.c", ["quant.c", "kquants.c", "pool.c", "isa.c"]
+    )
 
 
 def test_isa_forcing():

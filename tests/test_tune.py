@@ -125,3 +125,22 @@ def test_profile_round_trips(tmp_path):
     back = machine.load_profile(out)
     assert back is not None and back.to_json() == prof.to_json()
     assert json.loads(out.read_text())["version"] == machine.PROFILE_VERSION
+
+
+def test_memory_read_is_the_kernels_streaming_read(monkeypatch):
+    """memory_read_gbps times ops.mem_read (the SIMD read the bench's limits section calls the
+    memory bound) over the whole buffer, not a numpy reduction that reads slower."""
+    from colibri.compute import ops
+
+    calls = []
+    real = ops.mem_read
+
+    def spy(buf, nthreads=0):
+        calls.append((memoryview(buf).nbytes, nthreads))
+        return real(buf, nthreads)
+
+    monkeypatch.setattr(ops, "mem_read", spy)
+    gbps = machine.memory_read_gbps(8 << 20, nthreads=2, repeat=2)
+    assert calls == [(8 << 20, 2)] * 3  # a warm-up and two timed reads
+    assert gbps > 0
+    assert "mem_read" in machine.MEMORY_READ_METHOD

@@ -8,14 +8,15 @@ compute bounds measured in the same run. One implementation, used by `colibri be
     size and a cold cache (a fresh engine; O_DIRECT reads bypass the page cache).
 
 Bounds (DESIGN.md §8), per token:
-  storage  t_io = bytes read per token / disk bytes/s (fio, io_uring, O_DIRECT, record-sized
-           random reads at the queue depth one layer's misses give);
+  storage  t_io = bytes read per token / disk bytes/s (the higher of fio, io_uring, O_DIRECT,
+           and colibri's UringReader: record-sized random reads at the queue depth one
+           layer's misses give; a rate below what colibri's reader reaches bounds nothing);
   compute  t_c  = kernel seconds per token with every expert resident (the warm "fits" run);
   combined t_lb = max(t_io, t_c): the pipeline reads a layer's misses while it computes its
            hits and the prefetcher reads the next layer's experts during this one, so reads
            and compute may overlap; no engine can beat the slower of the two. The no-overlap
            figure t_io + t_c is given beside it.
-A bound in tok/s is 1 / t.
+A bound in tok/s is 1 / t: the most an engine can reach (t_lb is the least time per token).
 
     python -m colibri.bench.decode             # makes the synthetic stores under /tmp/stores
     python -m colibri.bench.decode --big PATH --budget 4G --tokens 32
@@ -42,8 +43,8 @@ from colibri.bench.report import tool
 from colibri.engine import open_engine
 from colibri.io.format import open_store
 from colibri.machine import bounds, rate, storage_seconds  # noqa: F401 (bounds live there)
+from colibri.options import parse_size, size_arg
 from colibri.registry import model_spec
-from colibri.run import parse_size, size_arg
 
 STORES = Path("/tmp/stores")
 
@@ -93,11 +94,16 @@ def drop_page_cache() -> bool:
     return True
 
 
-def fio_gbps(path: Path, record: int, qd: int, total: int) -> float:
-    """fio: random O_DIRECT reads of `record` bytes at queue depth qd, io_uring (GB/s)."""
+def disk_gbps(path: Path, record: int, qd: int, total: int) -> tuple[float, str]:
+    """(GB/s, which) of random O_DIRECT reads of `record` bytes at queue depth qd, `total` bytes:
+    the higher of fio (io_uring) and colibri's UringReader (colibri/bench/sec_limits.py
+    best_disk says why), and which one it was."""
     from colibri.bench import io as bench_io
+    from colibri.bench import sec_limits
 
-    return bench_io.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
+    fio = bench_io.run_fio(str(path), record, qd, total, path.stat().st_size, seed=1)
+    reader = sec_limits.reader_gbps(path, record, qd, total, seed=1)
+    return sec_limits.best_disk([fio], [reader])
 
 
 @dataclass
@@ -269,7 +275,7 @@ def report(name: str, f: DecodeFigures, disk: float, compute_s: float | None = N
         print(f"  prefetch: recall {p['recall']:.1%} precision {p['precision']:.1%}")
     print(
         f"  storage bound {b['storage']:8.2f} tok/s   compute bound {b['compute']:8.2f} "
-        f"tok/s   -> colibri at {d.tok_s / b['combined']:6.1%} of the lower bound"
+        f"tok/s   -> colibri at {d.tok_s / b['combined']:6.1%} of the bound 1/max(t_io, t_c)"
     )
 
 
@@ -302,10 +308,8 @@ def main() -> int:
     fits = asyncio.run(
         decode(small, all_small, args.prompt_tokens, args.tokens, warm=True, io=args.io)
     )
-    disk = fio_gbps(small / "experts.bin", s.layout.record_nbytes, k, 1 << 30)
-    print(
-        f"disk (fio io_uring O_DIRECT, {s.layout.record_nbytes >> 10} KiB, QD {k}): {disk:.2f} GB/s"
-    )
+    disk, which = disk_gbps(small / "experts.bin", s.layout.record_nbytes, k, 1 << 30)
+    print(f"disk ({which}, O_DIRECT, {s.layout.record_nbytes >> 10} KiB, QD {k}): {disk:.2f} GB/s")
     report(f"(a) fits: {small.name}, budget = all experts, warm", fits, disk)
 
     if args.skip_big:
@@ -318,10 +322,10 @@ def main() -> int:
     b = open_store(big)
     size = store_expert_nbytes(big)
     dropped = drop_page_cache()
-    disk = fio_gbps(big / "experts.bin", b.layout.record_nbytes, k, 2 << 30)
+    disk, which = disk_gbps(big / "experts.bin", b.layout.record_nbytes, k, 2 << 30)
     print(
         f"\nbig store: {size / 2**30:.1f} GiB of experts, budget {args.budget / 2**30:.1f} GiB;"
-        f" page cache dropped: {dropped}; disk (fio, QD {k}): {disk:.2f} GB/s"
+        f" page cache dropped: {dropped}; disk ({which}, QD {k}): {disk:.2f} GB/s"
     )
     fig = asyncio.run(
         decode(big, args.budget, args.prompt_tokens, args.tokens, warm=False, io=args.io)

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.completion:
         limit = None
         if args.memory_limit:
-            from colibri.run import parse_size
+            from colibri.options import parse_size
 
             limit = parse_size(args.memory_limit)
         out = run_completion(args.gguf, args.prompt, args.completion, args.threads, limit)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import numpy as np
 from colibri.convert import convert
 from colibri.engine import open_engine
 from colibri.errors import ConversionError
-from colibri.io.format import open_store, row_nbytes
+from colibri.io.format import row_nbytes
 
 ROUTER_SCALE = 10.0
 TYPES = ["bf16", "fp8", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "mxfp4", "q4_k", "q4_1", "q4_0"]
@@ -59,34 +58,10 @@ def kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
 
 def demo_checkpoint(out: Path) -> Path:
     """The demo store dequantized into a Hugging Face Mixtral directory (hub layout)."""
-    from safetensors.numpy import save_file
-
-    from colibri.compute import ops
+    from colibri.convert.store import store_to_hf
     from colibri.run import DEMO_STORE
 
-    demo = DEMO_STORE
-    store = open_store(demo)
-    tensors = {}
-    for name in store.dense_names():
-        arr, qtype, shape = store.dense(name)
-        tensors[name] = (
-            arr if qtype in ("f32", "f16", "bf16") else ops.dequantize(arr, qtype, shape)
-        )
-    blob = store.experts_path.read_bytes()
-    for rec in store.records:
-        lay = store.layout_for(rec.layer)
-        for role, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            spec = lay.tensors[role]
-            raw = blob[rec.offset + spec.offset : rec.offset + spec.offset + spec.nbytes]
-            name = f"model.layers.{rec.layer}.block_sparse_moe.experts.{rec.expert}.{w}.weight"
-            tensors[name] = ops.dequantize(raw, spec.qtype, spec.shape)
-    out.mkdir(parents=True)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
-              out / "model.safetensors")  # fmt: skip
-    (out / "config.json").write_text(json.dumps(store.config))
-    for f in store.manifest["tokenizer_files"]:
-        (out / f).write_bytes((demo / f).read_bytes())
-    return out
+    return store_to_hf(DEMO_STORE, out)
 
 
 def demo_ids(path: Path, n: int) -> list[int]:

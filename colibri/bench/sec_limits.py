@@ -97,6 +97,19 @@ def reader_gbps(
     return gbs
 
 
+def best_disk(fio_runs: list[float], reader_runs: list[float]) -> tuple[float, str]:
+    """The disk rate a storage bound divides by, from runs of fio and of colibri's UringReader
+    measured in the same rounds on the same file: the higher median, and which one it was
+    ("fio" | "colibri's reader"). A bound on fio alone can sit below what colibri reached
+    (huge-page slabs on a disk that splits reads at 4 KiB-page segments; limits section), and a
+    bound below what was reached is not a bound. GB/s; raises ValueError when both are empty."""
+    meds = {n: median(r) for n, r in (("fio", fio_runs), ("colibri's reader", reader_runs)) if r}
+    if not meds:
+        raise ValueError("best_disk: no disk runs")
+    name = max(meds, key=meds.get)
+    return meds[name], name
+
+
 def _read_nbytes(ctx: Context, rec: int, qd: int) -> int:
     """Bytes per run: enough for a few hundred ms at this QD (QD 1 is slow; keep it short)."""
     base = (256 if ctx.quick else 1024) << 20

@@ -125,6 +125,8 @@ def convert(
     show_progress: bool = True,
 ) -> Path:
     """Convert the checkpoint at `src` (HF directory or .gguf file) into a store at `out`.
+    `src` may also be a Mixtral store (the demo): its weights dequantized to f32 are the
+    source (colibri/convert/store.py), e.g. for an f32 reference of the demo.
 
     `quant`: expert weight type (a GGUF's experts keep their types); `dense_quant`: type of
     dense 2-D weights (see dense_qtype), or "keep" for a GGUF's own types.
@@ -163,12 +165,24 @@ def convert(
 
         return convert_gguf(src, Path(out), quant, dense_quant, force, show_progress)
     from colibri.convert.hf import convert_hf
+    from colibri.convert.store import is_store, store_to_hf
 
+    if is_store(src):  # a store's weights, dequantized to f32, re-converted (store.py)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="colibri-store-src-") as tmp:
+            hf = store_to_hf(src, Path(tmp) / "hf")
+            return convert_hf(hf, Path(out), quant, dense_quant, force, show_progress)
     return convert_hf(src, Path(out), quant, dense_quant, force, show_progress)
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="Hugging Face checkpoint directory or .gguf file (or a Mixtral store such as "
+        "colibri/data/demo: its weights dequantized)",
+    )
     p.add_argument("out", metavar="OUT", help="store directory to create")
     p.add_argument("--quant", default="q4_0", choices=list(QTYPES), help="expert weights")
     p.add_argument(

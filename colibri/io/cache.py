@@ -434,10 +434,16 @@ class Lease:
 
 async def _off_loop(fn: Any, *args: Any) -> Any:
     """fn(*args) in the loop's default executor, so the event loop keeps reaping completions
-    (a 94 MiB Mixtral record hashes in ~10 ms). If the caller is cancelled, fn still runs to
-    its end before the cancellation propagates: it reads a slab slot that must not be freed
-    under it."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    (a 94 MiB Mixtral record hashes in ~10 ms); see run_to_completion."""
+    return await run_to_completion(None, fn, *args)
+
+
+async def run_to_completion(executor: Any, fn: Any, *args: Any) -> Any:
+    """fn(*args) in `executor` (None: the loop's default), awaited. If the caller is
+    cancelled, fn still runs to its end before the cancellation propagates (CancelledError
+    re-raised after it): what it reads (a slab slot) must not be freed under it. Returns
+    fn's result; raises what fn raises."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
