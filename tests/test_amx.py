@@ -9,6 +9,7 @@ test_q8_activations. Skipped only where the CPU (or OS) has no usable AMX."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -147,3 +148,29 @@ def test_colibri_amx_env_turns_it_off():
     env.pop("COLIBRI_ISA", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == [supported, supported]
+
+
+EMU = os.path.join(os.path.dirname(__file__), "amx_emu")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+
+
+@pytest.mark.skipif(ops.best_isa() < ops.ISA.AVX512, reason="the epilogue needs AVX-512 here")
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_amx_tile_logic_emulated(tmp_path):
+    """csrc/arch/amx_gemm.c on tiles emulated in C (tests/amx_emu/amx_tiles.h, the SDM's
+    semantics) against the scalar twin, bit for bit: runs wherever AVX-512 does, AMX or not."""
+    with open(os.path.join(CSRC, "arch", "amx_gemm.c")) as f:  # native target pragma dropped
+        src = "".join(ln for ln in f if not ln.startswith("#pragma GCC target"))
+    (tmp_path / "amx_gemm_src.c").write_text(src)
+    isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mavx2"]
+    isa += ["-mfma", "-mf16c"]
+    inc = ["-I", str(tmp_path), "-I", EMU, "-I", CSRC, "-I", os.path.join(CSRC, "arch")]
+    flags = ["gcc", "-O2", "-std=gnu11", "-w", *inc]
+    obj = str(tmp_path / "amx_emu.o")  # only the kernel for AVX-512, as the module builds it
+    subprocess.run([*flags, *isa, "-c", os.path.join(EMU, "amx_emu.c"), "-o", obj], check=True)
+    srcs = [os.path.join(EMU, "harness.c")]
+    srcs += [os.path.join(CSRC, f) for f in ("quant.c", "kquants.c", "pool.c", "isa.c")]
+    exe = str(tmp_path / "harness")
+    subprocess.run([*flags, obj, *srcs, "-o", exe, "-lm", "-pthread"], check=True)
+    res = subprocess.run([exe], capture_output=True, text=True)
+    assert res.returncode == 0 and " 0 mismatches" in res.stdout, res.stdout + res.stderr

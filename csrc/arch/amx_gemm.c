@@ -84,16 +84,18 @@ static void amx_pack16(int fmt, uint8_t *pk, const uint8_t *w, int64_t row_nbyte
         rp[j] = j < nr ? w + j * row_nbytes : zero;
         step[j] = j < nr ? bb : 0;
     }
+    /* the 16 rows' f16 scales by one gather (dword j = row j's first 4 bytes of the block) */
+    const __mmask16 live = (__mmask16)((1u << nr) - 1);
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)row_nbytes));
     for (int64_t b = 0; b < nblk; b++) {
         uint8_t *o = pk + b * AMX_PB;
         const uint8_t *bl[16];
-        uint16_t h[16];
-        for (int j = 0; j < 16; j++) {
-            bl[j] = rp[j] + b * step[j];
-            h[j] = clb_load_u16(bl[j]);
-        }
-        _mm512_storeu_ps((float *)(void *)o,
-                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(void *)h)));
+        for (int j = 0; j < 16; j++) bl[j] = rp[j] + b * step[j];
+        const __m512i dh =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, w + b * bb, 1);
+        _mm512_storeu_ps((float *)(void *)o, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
         __m512i z[4], g[4];
         __m512i *dv = (__m512i *)(void *)(o + 64);
         amx_load16(bl, 2, z);
