@@ -166,13 +166,19 @@ def check_cpu() -> Check:
 
     flags = machine.cpu_flags()
     have = [
-        f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16") if f in flags
+        f
+        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+        if f in flags
     ]
     cur, best = ops.isa(), ops.best_isa()
     found = (
         f"{machine.cpu_model()}, {os.cpu_count()} CPUs ({', '.join(have) or 'no AVX'}); "
         f"{cur.name.lower()} kernels will run, {ops.default_threads()} threads"
     )
+    if ops.amx():
+        found += "; AMX tiles for the prefill GEMM (Q4_0/Q8_0)"
+    elif ops.amx_supported() and cur == ops.ISA.AVX512:
+        found += "; AMX usable but off (COLIBRI_AMX=0)"
     if cur < best:
         return Check(
             "warn",

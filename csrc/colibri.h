@@ -59,6 +59,11 @@ int clb_isa_detect(void);           /* best level this CPU and build support */
 int clb_isa_get(void);              /* level in use */
 int clb_isa_set(int isa);           /* CLB_OK or CLB_EISA */
 int clb_default_threads(void);      /* physical cores */
+/* AMX tiles for the Q8_0-activation GEMM at the AVX-512 level (same bits as without):
+ * supported = CPU + OS + the kernel's XTILEDATA permission; COLIBRI_AMX=0 turns it off at load. */
+int clb_amx_supported(void);
+int clb_amx_get(void);              /* 1 when in use (supported, on, AVX-512 level) */
+int clb_amx_set(int on);            /* CLB_OK, or CLB_EISA to turn on where unsupported */
 
 /* ---- quantization (quant.c) ---------------------------------------------------------- */
 int64_t clb_row_nbytes(int qtype, int64_t ncols);   /* < 0 on error (CLB_EQTYPE, CLB_EBLOCK) */

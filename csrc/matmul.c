@@ -6,6 +6,7 @@
  */
 #include <stdint.h>
 
+#include "amx.h"
 #include "colibri.h"
 #include "pool.h"
 #include "quant.h"
@@ -31,7 +32,9 @@ static int has_vnni(void) {
 
 clb_mmq_rows_fn clb_mmq_rows_for_isa(void) {
     switch (clb_isa_get()) {
-    case CLB_ISA_AVX512: return has_vnni() ? clb_mmq_rows_avx512vnni : clb_mmq_rows_avx512;
+    case CLB_ISA_AVX512:
+        if (clb_amx_get()) return clb_mmq_rows_amx; /* amx.h: batches on tiles, same bits */
+        return has_vnni() ? clb_mmq_rows_avx512vnni : clb_mmq_rows_avx512;
     case CLB_ISA_AVX2: return clb_mmq_rows_avx2;
     default: return clb_mmq_rows_ref;
     }

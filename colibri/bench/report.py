@@ -178,8 +178,8 @@ def machine_info(work: Path) -> dict[str, Any]:
                   ln.startswith("model name")), platform.processor())  # fmt: skip
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if
                   ln.startswith("flags")), [])  # fmt: skip
-    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
-           if f in flags]  # fmt: skip
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+                       "amx_int8") if f in flags]  # fmt: skip
     mem_kb = next((int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines() if
                    ln.startswith("MemTotal")), 0)  # fmt: skip
     disk: dict[str, Any] = {"path": str(work)}
@@ -197,7 +197,7 @@ def machine_info(work: Path) -> dict[str, Any]:
     try:
         from colibri.compute import ops
 
-        colibri_isa = ops.isa().name.lower()
+        colibri_isa = ops.isa().name.lower() + (" + amx" if ops.amx() else "")
     except Exception as exc:  # the report still records the machine
         colibri_isa = f"unavailable ({exc})"
     git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],

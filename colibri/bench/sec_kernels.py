@@ -1,5 +1,6 @@
 """`colibri bench` section "kernels": matvec / batch-8 matmul per weight format against the
-memory bandwidth from the limits section, and the latency of one small expert FFN call.
+memory bandwidth from the limits section, the latency of one small expert FFN call, and the
+prefill GEMM (Q4_0 / Q8_0 x Q8_0 activations, 16-512 tokens) in GMAC/s with and without AMX.
 
 Weights bigger than the L3 cache (quick 64 MiB, full 128 MiB per format, 4096 columns) are read
 once per call, so matvec GB/s of weights / memory GB/s says how close a kernel runs to memory
@@ -34,6 +35,9 @@ BATCH = 8
 REPEAT = 3  # calls per round (best taken, after a warm-up); medians over rounds are reported
 FFN_SHAPE = (2048, 768)  # Qwen3-30B-A3B expert: hidden_size, moe_intermediate_size
 TARGET = 0.8  # Q4_0 matvec at >= 80% of the memory read bandwidth (issue 23)
+GEMM_SHAPE = (4096, 4096)  # prefill GEMM weights [rows, cols]: a Mixtral attention projection
+GEMM_TOKENS = (16, 64, 512)  # x rows (prompt tokens, or tokens routed to one expert)
+GEMM_TYPES = ("q4_0", "q8_0")
 
 
 def weight_mib(quick: bool) -> int:
@@ -76,6 +80,92 @@ def _ffn_runner(qt: str, q8: bool, t: int, rng: np.random.Generator, repeat: int
     call = lambda: ops.expert_ffn(y, x, gate, up, down, qs[0], d_model, d_ff, scratch=scratch,  # noqa: E731
                                   nthreads=t, **extra)  # fmt: skip
     return lambda: bench_kernels.latency_us(call, repeat)[0]
+
+
+def _gemm_paths() -> tuple[str, ...]:
+    """The Q8_0-activation GEMM paths to time: AMX tiles and the AVX-512 VNNI kernels where AMX
+    is usable, else the current level's kernels alone."""
+    return ("amx", "avx512") if ops.amx_supported() else (ops.isa().name.lower(),)
+
+
+def _gemm_runner(
+    w: np.ndarray, qt: ops.QType, n: int, path: str, t: int, rng: np.random.Generator
+) -> Callable[[], tuple[float, float]]:
+    """(wall, CPU) seconds of the best of REPEAT `ops.matmul_q8` calls on n pre-quantized x
+    rows (quantization not timed: this is the GEMM), on the AMX path or without it."""
+    x = rng.standard_normal((n, GEMM_SHAPE[1])).astype(np.float32)
+    xq, y = ops.quantize_act(x), np.empty((n, w.shape[0]), np.float32)
+    amx = ops.amx_supported()
+
+    def call() -> None:
+        if amx:
+            ops.set_amx(path == "amx")
+        ops.matmul_q8(w, qt, xq, y, nthreads=t)
+
+    return lambda: bench_kernels.best_time_cpu(call, REPEAT)
+
+
+def _gemm(ctx: Context, threads: list[int], rounds: int, rng: np.random.Generator):
+    """Prefill GEMM rows: GMAC/s per (weights, tokens, threads, path), interleaved; and the
+    markdown table. The AMX flag is restored after."""
+    rows_w, cols = GEMM_SHAPE
+    paths = _gemm_paths()
+    weights = {f: bench_kernels.make_weights(ops.QType.parse(f), rows_w, cols, rng)
+               for f in GEMM_TYPES}  # fmt: skip
+    points = [(f, n, p, t) for f in GEMM_TYPES for n in GEMM_TOKENS for p in paths
+              for t in threads]  # fmt: skip
+    runners = {pt: _gemm_runner(weights[pt[0]], ops.QType.parse(pt[0]), pt[1], pt[2], pt[3], rng)
+               for pt in points}  # fmt: skip
+    cpu: dict[tuple, list[float]] = {pt: [] for pt in points}
+    cpu_s: dict[tuple, list[float]] = {pt: [] for pt in points}
+
+    def wall(pt: tuple) -> Callable[[], float]:
+        def f() -> float:
+            s, c = runners[pt]()
+            cpu[pt].append(c / s / pt[3])
+            cpu_s[pt].append(c)
+            return s
+
+        return f
+
+    before = ops.amx()
+    ctx.log(f"kernels: {len(points)} prefill GEMM points x {rounds} rounds ({', '.join(paths)})")
+    try:
+        res = interleave({pt: wall(pt) for pt in points}, rounds)
+    finally:
+        if ops.amx_supported():
+            ops.set_amx(before)
+    out = []
+    for (f, n, p, t), secs in res.items():
+        s = median(secs)
+        out.append({"qtype": f, "n": n, "path": p, "threads": t, "ms": s * 1e3,
+                    "gmacs": n * rows_w * cols / s / 1e9, "cpu_share": median(cpu[(f, n, p, t)]),
+                    "gmacs_per_cpu_s": n * rows_w * cols / median(cpu_s[(f, n, p, t)]) / 1e9,
+                    "runs_s": secs})  # fmt: skip
+    by = {(r["qtype"], r["n"], r["path"], r["threads"]): r for r in out}
+    trows = []
+    for f in GEMM_TYPES:
+        for n in GEMM_TOKENS:
+            for t in threads:
+                g = [by[(f, n, p, t)]["gmacs"] for p in paths]
+                gc = [by[(f, n, p, t)]["gmacs_per_cpu_s"] for p in paths]
+                cs = min(by[(f, n, p, t)]["cpu_share"] for p in paths)
+                trows.append([f.upper(), n, t, *g]
+                             + ([f"{g[0] / g[1]:.2f}x", f"{gc[0] / gc[1]:.2f}x"]
+                                if len(paths) == 2 else [])
+                             + [f"{cs:.0%}"])  # fmt: skip
+    head = ["weights", "tokens", "threads", *[f"{p} GMAC/s" for p in paths]]
+    head += (["amx / avx512", "same, per CPU second"] if len(paths) == 2 else []) + ["cpu"]
+    md = ["", f"Prefill GEMM: `ops.matmul_q8` of weights [{rows_w}, {cols}] on n Q8_0 x rows "
+          "(quantized beforehand; multiply-adds n x rows x cols per call), "
+          + ("on AMX int8 tiles (`tdpbssd`, csrc/arch/amx_gemm.c) and without them "
+             "(AVX512-VNNI); the same bits either way. " if len(paths) == 2 else
+             "(no usable AMX on this machine). ")
+          + f"Best of {REPEAT} calls, median of {rounds} interleaved rounds; *cpu* as above, "
+          "the lower of the paths'; *per CPU second*: the ratio of multiply-adds per second of "
+          "process CPU time, which other work on a busy machine disturbs less.", "",
+          table(head, trows)]  # fmt: skip
+    return out, md
 
 
 def _label(qt: str, act: str) -> str:
@@ -170,6 +260,8 @@ def run(ctx: Context) -> Section:
     ffn = [{"qtype": q, "act": "q8_0" if q8 else "f32", "threads": t, "us": median(v), "runs_us": v}
            for (q, q8, t), v in ffn_res.items()]  # fmt: skip
 
+    gemm, gemm_md = _gemm(ctx, threads, rounds, rng)
+
     # ---- report ----
     d_model, d_ff = FFN_SHAPE
     md = [
@@ -229,6 +321,7 @@ def run(ctx: Context) -> Section:
            f"{reps} back-to-back calls, median of {rounds} rounds (the engine makes ~8 such "
            "calls per layer per token).", "",
            table(["weights", "activations", "threads", "µs per call"], frows)]  # fmt: skip
+    md += gemm_md
 
     heads = [Headline(
         scenario="Q4_0 matvec", unit="GB/s", value=best["gbps"], limit=mem,
@@ -239,6 +332,7 @@ def run(ctx: Context) -> Section:
             "mem_gbps_limits": {str(t): v for t, v in mem_limits.items()},
             "mem_gbps_interleaved": {str(t): v for t, v in mem_here.items()},
             "matmul": rows,
-            "expert_ffn": ffn, "ffn_shape": list(FFN_SHAPE)}  # fmt: skip
+            "expert_ffn": ffn, "ffn_shape": list(FFN_SHAPE),
+            "prefill_gemm": gemm, "gemm_shape": list(GEMM_SHAPE), "amx": ops.amx()}  # fmt: skip
     return Section(key="kernels", title=TITLE, markdown="\n".join(md), data=data,
                    figures=[_plot(ctx, rows, threads)], headlines=heads)  # fmt: skip

@@ -117,6 +117,25 @@ def set_isa(level: ISA | str | int) -> None:
     _check(lib.clb_isa_set(int(level)), f"set_isa({level.name})")
 
 
+def amx_supported() -> bool:
+    """Whether AMX int8 tiles are usable here: the CPU has amx_tile and amx_int8 (and
+    AVX512-VNNI), the OS enables the tile state and Linux granted this process XTILEDATA."""
+    return bool(lib.clb_amx_supported())
+
+
+def amx() -> bool:
+    """Whether the Q4_0 / Q8_0 GEMM on Q8_0 activations (prefill batches) runs on AMX tiles
+    now: supported, not turned off (COLIBRI_AMX=0, set_amx(False)) and the AVX-512 level in
+    use. The results are the same bits either way."""
+    return bool(lib.clb_amx_get())
+
+
+def set_amx(on: bool) -> None:
+    """Turn the AMX GEMM on or off (tests, benchmarks). Raises KernelError to turn it on where
+    amx_supported() is False."""
+    _check(lib.clb_amx_set(1 if on else 0), f"set_amx({bool(on)}): AMX")
+
+
 def default_threads() -> int:
     """Kernel threads used when nthreads <= 0: the number of physical cores."""
     return int(lib.clb_default_threads())

@@ -1,0 +1,267 @@
+/* amx_gemm.c — Q4_0 / Q8_0 weights x Q8_0 activations on AMX tiles (tdpbssd), for batches
+ * (prefill); the same bits as clb_mmq_rows_ref and the AVX-512 VNNI path (matmul_q8.inc).
+ *
+ * Design after ggml's ggml-cpu/amx/mmq.cpp: one tdpbssd per 32-weight block, so that each
+ * block's exact int32 sum gets its own scale product in f32 afterwards:
+ *   A (tmm0/1) = 16 x rows x 32 int8 of one block, loaded in place from the Q8_0 rows
+ *                (stride ldxq, the 2-byte scale skipped);
+ *   B (tmm2/3) = the block of 16 weight rows in VNNI layout: 8 rows (K groups of 4) x 16
+ *                weight rows x 4 int8, repacked once per call per 16-row tile (amx_pack16;
+ *                Q4_0 as q - 8, Q8_0 as is);
+ *   C (tmm4/5) = 16 x rows x 16 weight rows int32, zeroed per block, stored to an L1 buffer.
+ * Two blocks per step (tiles 0/2/4 and 1/3/5) so the tile unit and the vector epilogue
+ * overlap. Epilogue per x row r, 16 weight rows in the lanes, in block order:
+ *     acc[r] = fma((float)isum_b, d_w,b * d_x,b, acc[r])
+ * the scalar twin's sequence (quant.c), then + bias, * scale, + y: a row's value does not
+ * depend on the batch, the tile, the thread or whether AMX ran (batch invariance).
+ *
+ * Tiles need the process's XTILEDATA permission (amx.c); each call loads the tile config and
+ * releases the tiles at its end (a thread holding tiles has 8 KiB more state to switch). */
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "colibri.h"
+#include "quant.h"
+
+#define AMX_XB 34          /* bytes of a Q8_0 block */
+#define AMX_PB (64 + 512)  /* packed block: 16 f32 d_w, then the B tile (8 x 64 bytes) */
+#define AMX_PANEL 128      /* x rows per panel of precomputed d_x (x panel stays in L2) */
+#ifndef AMX_MIN
+#define AMX_MIN 12         /* x rows from which AMX beats the VNNI GEMM (measured: not at 8) */
+#endif
+
+/* palette 1: tiles 0, 1 = A (16 x 32 bytes), 2, 3 = B (8 x 64), 4 .. 7 = C (16 x 64) */
+struct amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_config(struct amx_cfg *c) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c->colsb[t] = t < 2 ? 32 : 64;
+        c->rows[t] = t == 2 || t == 3 ? 8 : 16;
+    }
+}
+
+/* 4 x 4 dword transpose inside each 128-bit lane (matmul_q8.inc's mmq_tr4x4). */
+static inline __attribute__((always_inline)) void amx_tr4x4(const __m512i z[4], __m512i g[4]) {
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    g[0] = _mm512_unpacklo_epi64(t0, t2);
+    g[1] = _mm512_unpackhi_epi64(t0, t2);
+    g[2] = _mm512_unpacklo_epi64(t1, t3);
+    g[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 rows' 16 bytes at byte offset `off`: z[a] lane L = row a + 4L. */
+static inline __attribute__((always_inline)) void
+amx_load16(const uint8_t *const bl[16], int off, __m512i z[4]) {
+    for (int a = 0; a < 4; a++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(bl[a] + off)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(bl[a + 4] + off)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(bl[a + 8] + off)), 2);
+        z[a] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(bl[a + 12] + off)), 3);
+    }
+}
+
+/* Rows [0, nr) (nr <= 16; the rest zero) of nblk blocks -> pk (AMX_PB a block): d_w as f32,
+ * then B row k = the 16 rows' elements 4k .. 4k + 3 as signed int8 (dword lane j = row j). */
+static void amx_pack16(int fmt, uint8_t *pk, const uint8_t *w, int64_t row_nbytes, int nr,
+                       int64_t nblk) {
+    static const uint8_t zero[AMX_XB];
+    const int64_t bb = fmt == CLB_QTYPE_Q4_0 ? 18 : 34;
+    const __m512i m4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    const uint8_t *rp[16];
+    int64_t step[16];
+    for (int j = 0; j < 16; j++) {
+        rp[j] = j < nr ? w + j * row_nbytes : zero;
+        step[j] = j < nr ? bb : 0;
+    }
+    /* the 16 rows' f16 scales by one gather (dword j = row j's first 4 bytes of the block) */
+    const __mmask16 live = (__mmask16)((1u << nr) - 1);
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)row_nbytes));
+    for (int64_t b = 0; b < nblk; b++) {
+        uint8_t *o = pk + b * AMX_PB;
+        const uint8_t *bl[16];
+        for (int j = 0; j < 16; j++) bl[j] = rp[j] + b * step[j];
+        const __m512i dh =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, w + b * bb, 1);
+        _mm512_storeu_ps((float *)(void *)o, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
+        __m512i z[4], g[4];
+        __m512i *dv = (__m512i *)(void *)(o + 64);
+        amx_load16(bl, 2, z);
+        amx_tr4x4(z, g);
+        if (fmt == CLB_QTYPE_Q4_0) {
+            for (int k = 0; k < 4; k++) {
+                _mm512_storeu_si512(dv + k, _mm512_sub_epi8(_mm512_and_si512(g[k], m4), eight));
+                _mm512_storeu_si512(
+                    dv + k + 4,
+                    _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(g[k], 4), m4), eight));
+            }
+        } else {
+            for (int k = 0; k < 4; k++) _mm512_storeu_si512(dv + k, g[k]);
+            amx_load16(bl, 18, z);
+            amx_tr4x4(z, g);
+            for (int k = 0; k < 4; k++) _mm512_storeu_si512(dv + k + 4, g[k]);
+        }
+    }
+}
+
+/* The f32 chain of one block for the 16 x rows: c = its C tile as stored, dw = the block's
+ * 16 d_w, dx = its 16 d_x. */
+static inline __attribute__((always_inline)) void
+amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
+    const __m512 dw = _mm512_loadu_ps(dwp);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
+                                 _mm512_mul_ps(dw, _mm512_set1_ps(dx[r])), acc[r]);
+}
+
+/* Blocks b (and b + 1 if two) of a 16-row x tile xa against packed weights pk into C tiles
+ * c0 (and c1); AMX_ST stores them to cb (cb + 256). */
+#define AMX_DP(c0, c1, b, two)                                    \
+    do {                                                          \
+        _tile_zero(c0);                                           \
+        _tile_loadd(0, xa + (b) * 512, 32);                       \
+        _tile_loadd(2, pk + (b) * AMX_PB + 64, 64);               \
+        _tile_dpbssd(c0, 0, 2);                                   \
+        if (two) {                                                \
+            _tile_zero(c1);                                       \
+            _tile_loadd(1, xa + ((b) + 1) * 512, 32);             \
+            _tile_loadd(3, pk + ((b) + 1) * AMX_PB + 64, 64);     \
+            _tile_dpbssd(c1, 1, 3);                               \
+        }                                                         \
+    } while (0)
+#define AMX_ST(c0, c1, two, cb)                                   \
+    do {                                                          \
+        _tile_stored(c0, (cb), 64);                               \
+        if (two) _tile_stored(c1, (cb) + 256, 64);                \
+    } while (0)
+
+/* acc[r] (16 weight rows in the lanes) = the sums for a 16-row x tile xa (packed: [nblk][16
+ * rows][32] int8) against packed weights pk; dx [nblk][16] d_x; cbuf 4 KiB, 64-aligned.
+ * Software-pipelined by steps of 2 blocks, C tiles 4, 5 for even steps and 6, 7 for odd ones:
+ * the products of step s + 1 are issued before the epilogue of step s and stored after it, so
+ * the tile unit and the vector epilogue overlap (measured 16 ns a tile-block here against
+ * 18.5 ns in turn). */
+static inline __attribute__((always_inline)) void
+amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, const float *dx, int64_t nblk,
+           int32_t *cbuf) {
+    __m512 a[16]; /* in registers: acc[] is indexed by a variable in the caller */
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
+    const int64_t ns = (nblk + 1) / 2;
+    AMX_DP(4, 5, 0, nblk > 1);
+    AMX_ST(4, 5, nblk > 1, cbuf);
+    for (int64_t st = 0; st < ns; st++) {
+        const int64_t b = 2 * st, bn = b + 2;
+        const int next = st + 1 < ns, two = bn + 1 < nblk;
+        int32_t *cn = cbuf + 512 * ((st + 1) & 1);
+        if (next) {
+            if (st & 1) AMX_DP(4, 5, bn, two);
+            else AMX_DP(6, 7, bn, two);
+        }
+        const int32_t *cb = cbuf + 512 * (st & 1);
+        amx_epi(a, cb, (const float *)(const void *)(pk + b * AMX_PB), dx + 16 * b);
+        if (b + 1 < nblk)
+            amx_epi(a, cb + 256, (const float *)(const void *)(pk + (b + 1) * AMX_PB),
+                    dx + 16 * (b + 1));
+        if (next) {
+            if (st & 1) AMX_ST(4, 5, two, cn);
+            else AMX_ST(6, 7, two, cn);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = a[r];
+}
+
+/* acc (weight rows t .. t + nr in the lanes) -> y row: + bias, * scale[i], + y if accumulate
+ * (the scalar twin's order). */
+static inline __attribute__((always_inline)) void
+amx_store16(__m512 o, float *yp, int nr, const float *bias, const float *scale, int64_t i,
+            int accumulate) {
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(m, bias));
+    if (scale) o = _mm512_mul_ps(o, _mm512_set1_ps(scale[i]));
+    __asm__("" : "+v"(o)); /* two roundings, as the twin: no FMA contraction of * scale + y */
+    if (accumulate) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(m, yp));
+    _mm512_mask_storeu_ps(yp, m, o);
+}
+
+/* This thread's scratch, kept between calls; NULL when it cannot grow to nbytes. */
+static uint8_t *amx_scratch(size_t nbytes) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    if (nbytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (nbytes + 63) / 64 * 64);
+        cap = buf ? nbytes : 0;
+    }
+    return buf;
+}
+
+void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
+                      const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
+                      int64_t r1, const float *bias, const float *scale, int accumulate) {
+    const int64_t nblk = cols / QK;
+    const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL;
+    /* pk [nblk AMX_PB] | cbuf [4096] | dx [np nblk] f32 | xp [np nblk 32] int8 */
+    const size_t off_c = (size_t)nblk * AMX_PB, off_dx = off_c + 4096;
+    const size_t off_xp = off_dx + (size_t)np * nblk * 4;
+    uint8_t *s = (qtype == CLB_QTYPE_Q4_0 || qtype == CLB_QTYPE_Q8_0) && n >= AMX_MIN
+                     ? amx_scratch(off_xp + (size_t)np * nblk * 32)
+                     : NULL;
+    if (!s) { /* small batch, other type or no memory: the VNNI kernels give the same bits */
+        clb_mmq_rows_avx512vnni(qtype, y, ldy, w, row_nbytes, xq, ldxq, cols, n, r0, r1, bias,
+                                scale, accumulate);
+        return;
+    }
+    uint8_t *pk = s, *xp = s + off_xp;
+    int32_t *cbuf = (int32_t *)(void *)(s + off_c);
+    float *dx = (float *)(void *)(s + off_dx);
+    struct amx_cfg cfg __attribute__((aligned(64)));
+    amx_config(&cfg);
+    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
+    _tile_loadconfig(&cfg);
+    for (int64_t p0 = 0; p0 < n; p0 += AMX_PANEL) {
+        const int64_t p1 = p0 + AMX_PANEL < n ? p0 + AMX_PANEL : n;
+        const int64_t pe = p0 + (p1 - p0 + 15) / 16 * 16; /* rows [p1, pe) are zero padding */
+        /* per 16-row x tile: d_x [block][16] and the quants as A tiles [block][16][32] */
+        for (int64_t i = p0; i < pe; i++) {
+            const int64_t ti = (i - p0) / 16, r = (i - p0) % 16;
+            float *d = dx + ti * nblk * 16 + r;
+            uint8_t *q = xp + (ti * nblk * 16 + r) * 32;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint8_t *xb = xq + i * ldxq + b * AMX_XB;
+                d[16 * b] = i < p1 ? _cvtsh_ss(clb_load_u16(xb)) : 0.0f;
+                const __m256i v = i < p1 ? _mm256_loadu_si256((const __m256i *)(xb + 2))
+                                         : _mm256_setzero_si256();
+                _mm256_store_si256((__m256i *)(void *)(q + 512 * b), v);
+            }
+        }
+        for (int64_t t = r0; t < r1; t += 16) {
+            const int nr = r1 - t < 16 ? (int)(r1 - t) : 16;
+            amx_pack16(qtype, pk, w + t * row_nbytes, row_nbytes, nr, nblk);
+            __asm__ volatile("" ::: "memory"); /* tileloadd's asm does not name pk, xp */
+            const float *bt = bias ? bias + t : NULL;
+            __m512 acc[16];
+            for (int64_t i = p0; i < p1; i += 16) {
+                amx_tile16(acc, pk, xp + (i - p0) * nblk * 32, dx + (i - p0) * nblk, nblk, cbuf);
+                const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+                for (int r = 0; r < m; r++)
+                    amx_store16(acc[r], y + (i + r) * ldy + t, nr, bt, scale, i + r, accumulate);
+            }
+        }
+    }
+    _tile_release();
+}
