@@ -7,6 +7,7 @@
 
 #include "colibri.h"
 #include "quant.h"
+#include "kquants.h"
 
 #define VEC __m512
 #define VPB 2
@@ -182,6 +183,8 @@ static void mm_f32_tiled(float *y, int64_t ldy, const uint8_t *wb, int64_t row_n
 #define MMQ_FN clb_mmq_rows_avx512
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx512
 #include "matmul_q8.inc"
+#define MMQ_MX_FN clb_mxfp4_rows_avx512
+#include "matmul_mxfp4.inc"
 
 #define MLA_XW_FN clb_mla_xw_avx512
 #define vstore(p, v) _mm512_storeu_ps(p, v)
