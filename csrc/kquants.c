@@ -508,32 +508,22 @@ static float kq_fp8_dot_q8_ref(const uint8_t *row, const uint8_t *xr, int64_t co
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
 
-/* MXFP4 on Q8_0 (ggml's vec_dot_mxfp4_q8_0): the SIMD kernels' one computation (kquants_simd.inc),
- * lane by lane: per block 8 exact int32 sums of 4 products, fma'd by d_x * e8m0_half(e) into the
- * even-block or odd-block accumulator (8 lanes each), then even + odd and the lanes reduced as
- * (l + l+4) pairs, (0 + 2) + (1 + 3). */
+/* MXFP4 on Q8_0 (ggml's vec_dot_mxfp4_q8_0, scalar form): per block the exact int32 dot of the
+ * E2M1 levels (clb_kvalues_mxfp4) with x's int8, then s = fma(isum, e8m0_half(e) * d_x, s) in
+ * block order; the SIMD kernels' one computation at every batch size (arch/matmul_mxfp4.inc). */
 static float kq_mxfp4_dot_q8_ref(const uint8_t *row, const uint8_t *xr, int64_t nblk) {
-    float acc[2][8] = {{0}};
+    float s = 0;
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *wb = row + 17 * b, *xb = xr + 34 * b;
         const int8_t *xs = (const int8_t *)(xb + 2);
-        int8_t wq[32];
+        int32_t isum = 0;
         for (int j = 0; j < 16; j++) {
-            wq[j] = clb_kvalues_mxfp4[wb[1 + j] & 15];
-            wq[j + 16] = clb_kvalues_mxfp4[wb[1 + j] >> 4];
+            isum += clb_kvalues_mxfp4[wb[1 + j] & 15] * xs[j];
+            isum += clb_kvalues_mxfp4[wb[1 + j] >> 4] * xs[j + 16];
         }
-        const float d = clb_f16_to_f32(clb_load_u16(xb)) * clb_e8m0_half(wb[0]);
-        float *a = acc[b & 1];
-        for (int l = 0; l < 8; l++) {
-            int32_t p = 0;
-            for (int t = 0; t < 4; t++) p += wq[4 * l + t] * xs[4 * l + t];
-            a[l] = fmaf((float)p, d, a[l]);
-        }
+        s = fmaf((float)isum, clb_e8m0_half(wb[0]) * clb_f16_to_f32(clb_load_u16(xb)), s);
     }
-    float v[8], t[4];
-    for (int l = 0; l < 8; l++) v[l] = acc[0][l] + acc[1][l];
-    for (int l = 0; l < 4; l++) t[l] = v[l] + v[l + 4];
-    return (t[0] + t[2]) + (t[1] + t[3]);
+    return s;
 }
 
 void clb_kq_mmq_rows_ref(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,

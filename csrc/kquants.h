@@ -301,6 +301,12 @@ void clb_kq_mm_rows_avx512(int qtype, float *y, int64_t ldy, const uint8_t *w, i
 CLB_DECLARE_MMQ(clb_kq_mmq_rows_ref)
 CLB_DECLARE_MMQ(clb_kq_mmq_rows_avx2)
 CLB_DECLARE_MMQ(clb_kq_mmq_rows_avx512)
+/* MXFP4 on Q8_0 (arch/matmul_mxfp4.inc): tiled GEMM for batches, 8 rows in the lanes for one x
+ * row; the bits of clb_kq_mmq_rows_ref's MXFP4 at every batch size and ISA level. */
+CLB_DECLARE_MMQ(clb_mxfp4_rows_avx2)
+CLB_DECLARE_MMQ(clb_mxfp4_rows_avx512)
+CLB_DECLARE_MMQ(clb_mxfp4_rows_avx512vnni)
+clb_mmq_rows_fn clb_mxfp4_rows_for_isa(void);
 
 /* The rows kernels for `qtype` at the current ISA level: these types' (above) or quant.h's. */
 clb_mm_rows_fn clb_mm_rows_for(int qtype);

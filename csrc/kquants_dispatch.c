@@ -18,6 +18,7 @@ clb_mm_rows_fn clb_mm_rows_for(int qtype) {
 
 clb_mmq_rows_fn clb_mmq_rows_for(int qtype) {
     if (!clb_is_kq(qtype)) return clb_mmq_rows_for_isa();
+    if (qtype == CLB_QTYPE_MXFP4) return clb_mxfp4_rows_for_isa();
     switch (clb_isa_get()) {
     case CLB_ISA_AVX512: return clb_kq_mmq_rows_avx512;
     case CLB_ISA_AVX2: return clb_kq_mmq_rows_avx2;

@@ -116,8 +116,13 @@ typedef void (*kqg_rows_fn)(int qtype, float *y, int64_t ldy, const uint8_t *w,
                             const float *scale, int accumulate);
 
 static kqg_rows_fn kqg_rows_for_isa(void) {
+    static int vnni = -1;
+    if (vnni < 0) {
+        __builtin_cpu_init();
+        vnni = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    }
     switch (clb_isa_get()) {
-    case CLB_ISA_AVX512: return clb_kqg_rows_avx512;
+    case CLB_ISA_AVX512: return vnni ? clb_kqg_rows_avx512vnni : clb_kqg_rows_avx512;
     case CLB_ISA_AVX2: return clb_kqg_rows_avx2;
     default: return clb_kqg_rows_ref;
     }

@@ -94,5 +94,6 @@ static inline int kqg_nearest_int(float v) {
 KQG_DECLARE(clb_kqg_rows_ref)
 KQG_DECLARE(clb_kqg_rows_avx2)
 KQG_DECLARE(clb_kqg_rows_avx512)
+KQG_DECLARE(clb_kqg_rows_avx512vnni) /* 16-row vpdpbusd tiles for batches */
 
 #endif

@@ -40,6 +40,14 @@ clb_mmq_rows_fn clb_mmq_rows_for_isa(void) {
     }
 }
 
+clb_mmq_rows_fn clb_mxfp4_rows_for_isa(void) {
+    switch (clb_isa_get()) {
+    case CLB_ISA_AVX512: return has_vnni() ? clb_mxfp4_rows_avx512vnni : clb_mxfp4_rows_avx512;
+    case CLB_ISA_AVX2: return clb_mxfp4_rows_avx2;
+    default: return clb_kq_mmq_rows_ref;
+    }
+}
+
 /* Below ~64 KiB of weights per thread, waking another thread costs more than it saves. */
 #define CLB_MIN_BYTES_PER_THREAD (64 << 10)
 

@@ -1,8 +1,8 @@
 """Batch invariance of the Q8_0-activation kernels (DESIGN.md §6): a row's output is the same
 bits whether it is computed alone (matvec), in a pair, or in a batch that takes the GEMM
 path, at every ISA level, and equal to the scalar twin's (per block an exact int32 dot, then
-acc = fma(isum, d_w * d_x, acc) in block order; MXFP4: ggml's vec_dot_mxfp4_q8_0 lanes; FP8:
-16-lane f32 dots per 128-column block; see csrc/kquants.c). The server batches concurrent
+acc = fma(isum, d_w * d_x, acc) in block order, MXFP4 with d_w = e8m0_half(e); FP8: 16-lane
+f32 dots per 128-column block; see csrc/quant.c, csrc/kquants.c). The server batches concurrent
 requests and relies on this; so does the expert FFN, whose token count per expert varies with
 routing."""
 

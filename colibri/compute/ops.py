@@ -356,10 +356,10 @@ def matmul_q8(
     int8 x int8 dot, times f32(d_w) * f32(d_x), summed in f32. The other Q8_ACT_TYPES: per 16
     weights the exact dot of the weight levels with x's, times the sub-block scale (plus the
     min times x's level sum) and d_x, in f32 (ggml's K-quant dots, on Q8_0 instead of Q8_K
-    activations); MXFP4: ggml_vec_dot_mxfp4_q8_0 (8 exact int32 lanes per block, fma'd by
-    d_x * 2^(e-128) into even- and odd-block accumulators); FP8: x_s = d_x q_x (exact), then
-    per 128-column block 16 f32 lanes of fma(w, x_s) times the block scale (the same bits for
-    any n).
+    activations); MXFP4: ggml_vec_dot_mxfp4_q8_0 in scalar form (per block the exact int32
+    dot of the E2M1 levels, fma'd by d_x * 2^(e-128) into one f32 sum in block order); FP8:
+    x_s = d_x q_x (exact), then per 128-column block 16 f32 lanes of fma(w, x_s) times the
+    block scale (the same bits for any n).
 
     w: Q8_ACT_TYPES bytes [rows, row_nbytes] (any C-contiguous buffer); xq: uint8
     [n, row_nbytes(Q8_0, cols)] or 1-D, from quantize_act; out: float32 [n, rows] or [rows]

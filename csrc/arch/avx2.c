@@ -6,6 +6,7 @@
 
 #include "colibri.h"
 #include "quant.h"
+#include "kquants.h"
 
 #define VEC __m256
 #define VPB 4
@@ -91,6 +92,8 @@ dec_block(int fmt, const uint8_t *blk, __m256 d, __m256 m, __m256 w[4]) {
 #define MMQ_FN clb_mmq_rows_avx2
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx2
 #include "matmul_q8.inc"
+#define MMQ_MX_FN clb_mxfp4_rows_avx2
+#include "matmul_mxfp4.inc"
 
 #define MLA_XW_FN clb_mla_xw_avx2
 #define vstore(p, v) _mm256_storeu_ps(p, v)

@@ -7,6 +7,7 @@
 
 #include "colibri.h"
 #include "quant.h"
+#include "kquants.h"
 
 #define VEC __m512
 #define VPB 2
@@ -76,6 +77,8 @@ dec_block(int fmt, const uint8_t *blk, __m512 d, __m512 m, __m512 w[2]) {
 #define MMQ_FN clb_mmq_rows_avx512
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx512
 #include "matmul_q8.inc"
+#define MMQ_MX_FN clb_mxfp4_rows_avx512
+#include "matmul_mxfp4.inc"
 
 #define MLA_XW_FN clb_mla_xw_avx512
 #define vstore(p, v) _mm512_storeu_ps(p, v)

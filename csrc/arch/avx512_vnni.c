@@ -9,9 +9,12 @@
 
 #include "colibri.h"
 #include "quant.h"
+#include "kquants.h"
 
 #define h2f(h) _cvtsh_ss(h)
 #define MMQ_VNNI 1
 #define MMQ_FN clb_mmq_rows_avx512vnni
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx512vnni
 #include "matmul_q8.inc"
+#define MMQ_MX_FN clb_mxfp4_rows_avx512vnni
+#include "matmul_mxfp4.inc"

@@ -5,11 +5,19 @@
 #include <string.h>
 #include "colibri.h"
 #include "quant.h"
+#include "kquants.h"
 /* quant.c's Q8_0 dispatcher also names the AVX2 twin, which this harness does not build. */
 void clb_quantize_q8_0_avx2(void *out, const float *x, int64_t nblk) {
     clb_quantize_q8_0_ref(out, x, nblk);
 }
 static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
+/* The scalar twin and the AVX-512 rows kernel of a Q8_0-activation type. */
+static clb_mmq_rows_fn mmq_ref(int qt) {
+    return qt == CLB_QTYPE_MXFP4 ? clb_kq_mmq_rows_ref : clb_mmq_rows_ref;
+}
+static clb_mmq_rows_fn mmq_avx512(int qt) {
+    return qt == CLB_QTYPE_MXFP4 ? clb_mxfp4_rows_avx512 : clb_mmq_rows_avx512;
+}
 int main(void) {
     const int qts[] = {CLB_QTYPE_F32, CLB_QTYPE_F16, CLB_QTYPE_Q4_0, CLB_QTYPE_Q4_1,
                        CLB_QTYPE_Q8_0, CLB_QTYPE_BF16};
@@ -52,9 +60,10 @@ int main(void) {
                     cases++;
                     free(wf); free(wd); free(x); free(bias); free(sc); free(y0); free(y1); free(w);
                 }
-    /* Q8_0 activations: clb_mmq_rows_avx512 vs clb_mmq_rows_ref */
-    const int qq[] = {CLB_QTYPE_Q4_0, CLB_QTYPE_Q8_0};
-    for (int q = 0; q < 2; q++)
+    /* Q8_0 activations: clb_mmq_rows_avx512 vs clb_mmq_rows_ref (MXFP4: clb_mxfp4_rows_avx512
+     * vs clb_kq_mmq_rows_ref, arch/matmul_mxfp4.inc) */
+    const int qq[] = {CLB_QTYPE_Q4_0, CLB_QTYPE_Q8_0, CLB_QTYPE_MXFP4};
+    for (int q = 0; q < 3; q++)
         for (int ri = 0; ri < 3; ri++)
             for (int ci = 0; ci < 3; ci++)
                 for (int ni = 0; ni < 5; ni++) {
@@ -81,8 +90,8 @@ int main(void) {
                     clb_dequantize(CLB_QTYPE_Q8_0, xd, xq, n, cols);
                     int acc = (int)(n & 1);
                     const float *b = ri ? bias : NULL, *s = ni ? sc : NULL;
-                    clb_mmq_rows_ref(qq[q], y0, rows, w, rb, xq, xrb, cols, n, 0, rows, b, s, acc);
-                    clb_mmq_rows_avx512(qq[q], y1, rows, w, rb, xq, xrb, cols, n, 0, rows, b, s, acc);
+                    mmq_ref(qq[q])(qq[q], y0, rows, w, rb, xq, xrb, cols, n, 0, rows, b, s, acc);
+                    mmq_avx512(qq[q])(qq[q], y1, rows, w, rb, xq, xrb, cols, n, 0, rows, b, s, acc);
                     for (int64_t i = 0; i < n; i++)
                         for (int64_t r = 0; r < rows; r++) {
                             double mag = 1;
@@ -99,7 +108,7 @@ int main(void) {
                 }
     /* the batch (GEMM) path: x rows past the 64-row panel, rows [5, 45) (an 8-row tile tail,
      * a start inside a tile) */
-    for (int q = 0; q < 2; q++) {
+    for (int q = 0; q < 3; q++) {
         const int64_t rows = 45, cols = 96, n = 70, r0 = 5;
         int64_t rb = clb_row_nbytes(qq[q], cols), xrb = clb_row_nbytes(CLB_QTYPE_Q8_0, cols);
         float *wf = malloc(rows * cols * 4), *x = malloc(n * cols * 4), *bias = malloc(rows * 4);
@@ -110,8 +119,8 @@ int main(void) {
         for (int64_t i = 0; i < rows; i++) bias[i] = rnd();
         clb_quantize(qq[q], w, wf, rows, cols);
         clb_quantize_q8_0_ref(xq, x, n * cols / 32);
-        clb_mmq_rows_ref(qq[q], y0, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
-        clb_mmq_rows_avx512(qq[q], y1, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
+        mmq_ref(qq[q])(qq[q], y0, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
+        mmq_avx512(qq[q])(qq[q], y1, rows, w, rb, xq, xrb, cols, n, r0, rows, bias, NULL, 0);
         for (int64_t i = 0; i < n * rows; i++) {
             double e = fabs(y0[i] - y1[i]) / (1 + fabs(y0[i]));
             if (e > worst) worst = e;
