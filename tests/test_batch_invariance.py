@@ -26,7 +26,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows,cols", [(1, 32), (13, 64), (229, 1056), (64, 4128)])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (13, 64), (229, 1056), (45, 1440), (64, 4128)])
 def test_matmul_q8_rows_same_alone_or_batched(qt, rows, cols):
     rng = np.random.default_rng(rows + cols)
     data, _w = random_weights(rng, qt, rows, cols)
