@@ -1,6 +1,7 @@
 """ops.expert_ffn_group (one kernel call for several experts of a layer, the server's decode
 steps): each expert's rows get the very bits of ops.expert_ffn / expert_ffn_q8k on those rows
-alone, and the result matches a float64 numpy FFN on the dequantized weights."""
+alone, at every ISA level the machine has, and the result matches a float64 numpy FFN on the
+dequantized weights."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def test_group_bits_equal_single_expert_calls(qts, q8k, biases):
     x = rng.standard_normal((n, d_model)).astype(np.float32)
     rw = rng.uniform(0.1, 1, n).astype(np.float32)
     row_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    try:
+        for level in [i for i in ops.ISA if i <= ops.best_isa()]:
+            ops.set_isa(level)
+            _check_group(qts, q8k, records, spans, floats, x, rw, row_off, d_model, d_ff)
+    finally:
+        ops.set_isa(ops.best_isa())
+
+
+def _check_group(qts, q8k, records, spans, floats, x, rw, row_off, d_model, d_ff):
+    n = len(x)
     got = ops.expert_ffn_group(
         np.full((n, d_model), np.nan, np.float32), x, records, spans, qts, row_off, d_model, d_ff,
         row_weight=rw, act_q8=True, q8k=q8k, nthreads=2,
