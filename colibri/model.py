@@ -1534,6 +1534,45 @@ class Model:
         )
         return y[:m_rows]
 
+    def expert_group_ok(self, layer: int | None) -> bool:
+        """True when expert_ffn_group can run layer `layer`'s experts: row-invariant kernels
+        that need no padding (Q8_0 / Q8_K activations on ROW_INVARIANT_QTYPES) and the
+        routing weight applied to the output."""
+        _, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        return (
+            act_q8
+            and all(q in ROW_INVARIANT_QTYPES for q in qts)
+            and not self.spec.moe.apply_router_weight_on_input
+        )
+
+    def expert_ffn_group(
+        self,
+        records: list[np.ndarray],
+        h: np.ndarray,
+        weights: np.ndarray,
+        row_off: np.ndarray,
+        layer: int | None = None,
+    ) -> np.ndarray:
+        """Several routed experts of MoE layer `layer` in one kernel call: records[e] (uint8
+        slab slots) runs on the rows h[row_off[e] : row_off[e + 1]] (f32 [n, d_model]), each
+        row scaled by its weights f32 [n]. Returns f32 [n, d_model]: row r the bits
+        expert_ffn gives it (the kernels are row-invariant: needs expert_group_ok(layer))."""
+        m = self.spec.moe
+        spans, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        q8k = (
+            self.act_q8k
+            and all(q in ops.Q8K_ACT_TYPES for q in qts)
+            and self.spec.d_model % 256 == 0
+            and self.d_ff % 256 == 0
+        )
+        y = np.empty((len(h), self.spec.d_model), dtype=np.float32)
+        return ops.expert_ffn_group(
+            y, np.ascontiguousarray(h, dtype=np.float32), records, spans, qts, row_off,
+            self.spec.d_model, self.d_ff, act=m.act,
+            row_weight=np.ascontiguousarray(weights, dtype=np.float32), alpha=m.alpha,
+            limit=m.limit, act_q8=act_q8, q8k=q8k, nthreads=self.nthreads,
+        )  # fmt: skip
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size] (with
         hyper-connections x is the streams f32 [n, hc_mult, d_model], collapsed first)."""

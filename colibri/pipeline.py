@@ -557,6 +557,9 @@ class Pipeline:
                 m.dense_ffn(i, h, out, x)
         elif first:
             self._dense_ffn_batch(i, [h for h, _, _ in routed], xs)
+        if batch and m.expert_group_ok(i):  # every ready expert in one kernel call
+            self._expert_group(i, batch, routed, slots)
+            batch = []
         stack = len(routed) > 1 and m.expert_row_invariant(i)
         for e, lease in batch:
             if stack:  # one pass over the expert's weights for every sequence's rows
@@ -582,6 +585,45 @@ class Pipeline:
             for x, y, mix in zip(streams, xs, mixes, strict=True):
                 m.ffn_residual(x, y, mix)
         return self._head(i + 1, last)
+
+    def _expert_group(
+        self,
+        i: int,
+        batch: list[tuple[int, Any]],
+        routed: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        slots: list[np.ndarray],
+    ) -> None:
+        """The experts of `batch` ((expert, lease) pairs) of layer i over every sequence's
+        rows routed to them, in one Model.expert_ffn_group call (row-invariant kernels: each
+        row the same bits as in its own sequence's call of that expert). Each output row goes
+        to its sequence's slot [token, choice]."""
+        order = np.argsort([e for e, _ in batch], kind="stable")
+        es = np.array([batch[j][0] for j in order])
+        hs, ws, ranks, where = [], [], [], []
+        for s, (h, ids, weights) in enumerate(routed):
+            tok, sl = np.nonzero(np.isin(ids, es))
+            if not len(tok):
+                continue
+            hs.append(h[tok])
+            ws.append(weights[tok, sl])
+            ranks.append(np.searchsorted(es, ids[tok, sl]))
+            where.append((s, tok, sl))
+        if not hs:
+            return
+        rank = np.concatenate(ranks)
+        perm = np.argsort(rank, kind="stable")  # rows grouped by expert, in batch order
+        row_off = np.zeros(len(es) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rank, minlength=len(es)), out=row_off[1:])
+        h = np.concatenate(hs)[perm]
+        w = np.concatenate(ws)[perm]
+        y = np.empty_like(h)
+        y[perm] = self.model.expert_ffn_group(
+            [batch[j][1].buffer for j in order], h, w, row_off, layer=i
+        )
+        r = 0
+        for s, tok, sl in where:
+            slots[s][tok, sl] = y[r : r + len(tok)]
+            r += len(tok)
 
     def _expert_stacked(
         self,

@@ -109,6 +109,22 @@ int clb_expert_ffn_mixed(int gate_qtype, int up_qtype, int down_qtype, float *y,
                          int act, float alpha, float limit, int accumulate, void *qscratch,
                          int nthreads);
 
+/* Several experts of one layer in one call: expert e runs on rows [row_off[e], row_off[e+1])
+ * of x and writes the same rows of y (y overwritten, never accumulated), exactly as
+ * clb_expert_ffn_mixed (q8k = 0; qscratch as there) or clb_expert_ffn_q8k (q8k = 1; qscratch
+ * unused) on those rows alone, so each row gets the bits of that call. gate[e], up[e],
+ * down[e]: expert e's tensors (all experts in the same qt_g / qt_u / qt_d); the bias arrays
+ * are NULL or hold one nullable pointer per expert; row_weight f32 [row_off[n_experts]],
+ * nullable. scratch and qscratch are sized for the largest expert's row count. Experts run
+ * one after another (each over the thread pool); the first error is returned. */
+int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, float *y,
+                         float *scratch, const float *x, const void *const *gate,
+                         const void *const *up, const void *const *down,
+                         const float *const *gate_bias, const float *const *up_bias,
+                         const float *const *down_bias, const float *row_weight,
+                         const int64_t *row_off, int64_t d_model, int64_t d_ff, int act,
+                         float alpha, float limit, void *qscratch, int nthreads);
+
 /* 1 if clb_matmul_q8 / clb_expert_ffn(qscratch) take weights of this type: Q4_0, Q8_0, Q5_0,
  * Q5_1, Q2_K..Q6_K, MXFP4, IQ4_NL, IQ4_XS (integer dots) and FP8 (f32 dots on the Q8_0 values). */
 int clb_q8_act_supported(int qtype);

@@ -154,3 +154,33 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
     clb_parallel_for((d_model + j.ch_model - 1) / j.ch_model, ffn_down_chunk, (void *)&j, nt);
     return CLB_OK;
 }
+
+int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, float *y,
+                         float *scratch, const float *x, const void *const *gate,
+                         const void *const *up, const void *const *down,
+                         const float *const *gate_bias, const float *const *up_bias,
+                         const float *const *down_bias, const float *row_weight,
+                         const int64_t *row_off, int64_t d_model, int64_t d_ff, int act,
+                         float alpha, float limit, void *qscratch, int nthreads) {
+    if (n_experts < 0 || !row_off) return CLB_EINVAL;
+    if (n_experts == 0) return CLB_OK;
+    if (!gate || !up || !down) return CLB_EINVAL;
+    for (int e = 0; e < n_experts; e++)
+        if (row_off[e + 1] < row_off[e] || row_off[e] < 0) return CLB_EINVAL;
+    for (int e = 0; e < n_experts; e++) {
+        const int64_t r0 = row_off[e], n = row_off[e + 1] - r0;
+        if (n == 0) continue;
+        const float *gb = gate_bias ? gate_bias[e] : NULL, *ub = up_bias ? up_bias[e] : NULL;
+        const float *db = down_bias ? down_bias[e] : NULL;
+        const float *rw = row_weight ? row_weight + r0 : NULL;
+        int rc = q8k ? clb_expert_ffn_q8k(qt_g, qt_u, qt_d, y + r0 * d_model, scratch,
+                                          x + r0 * d_model, gate[e], up[e], down[e], gb, ub, db,
+                                          rw, n, d_model, d_ff, act, alpha, limit, 0, nthreads)
+                     : clb_expert_ffn_mixed(qt_g, qt_u, qt_d, y + r0 * d_model, scratch,
+                                            x + r0 * d_model, gate[e], up[e], down[e], gb, ub,
+                                            db, rw, n, d_model, d_ff, act, alpha, limit, 0,
+                                            qscratch, nthreads);
+        if (rc) return rc;
+    }
+    return CLB_OK;
+}

@@ -200,9 +200,9 @@ def test_expert_ffn_q8k_matches_reference_and_is_batch_invariant(types):
 
 def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
     """activations="q8_k" (also the engine's default): a Q4_K-expert store routes its experts
-    through expert_ffn_q8k (and activations="q8_0" does not), and its logits (an 8-token
-    prefill, then decode steps, teacher-forced) stay within the KL bound of
-    test_convert_quantized's q4_k case from the f32 store's."""
+    through expert_ffn_q8k or expert_ffn_group(q8k=True) (and activations="q8_0" does not),
+    and its logits (an 8-token prefill, then decode steps, teacher-forced) stay within the KL
+    bound of test_convert_quantized's q4_k case from the f32 store's."""
     import asyncio
 
     pytest.importorskip("torch")
@@ -214,8 +214,16 @@ def test_engine_runs_k_quant_experts_on_q8k_activations(tmp_path, monkeypatch):
     src = hf_models.save(model, tmp_path / "hf")
     ids = hf_models.greedy(model, list(range(3, 19)), 16)
     calls = []
-    real = ops.expert_ffn_q8k
+    real, group = ops.expert_ffn_q8k, ops.expert_ffn_group
     monkeypatch.setattr(ops, "expert_ffn_q8k", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    # a trip's ready experts in one call (the pipeline's usual path): its q8k flag
+    def spy_group(*a, **k):
+        if k.get("q8k"):
+            calls.append(1)
+        return group(*a, **k)
+
+    monkeypatch.setattr(ops, "expert_ffn_group", spy_group)
 
     def forced(store, activations):
         async def run():

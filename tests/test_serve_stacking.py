@@ -45,17 +45,25 @@ def store(request, tmp_path_factory):
 
 
 class Calls:
-    """Counts the kernel-level calls of a Model (expert FFNs, Linear calls) while active."""
+    """Counts the kernel-level calls of a Model (expert FFNs, Linear calls) while active:
+    "expert_ffn" counts passes over an expert's weights (one per expert of an
+    expert_ffn_group call), "group" the expert_ffn_group calls."""
 
     def __init__(self, monkeypatch):
         self.n = collections.Counter()
-        for owner, name in [(model_mod.Model, "expert_ffn"), (model_mod.Linear, "__call__")]:
+        spied = [(model_mod.Model, "expert_ffn"), (model_mod.Model, "expert_ffn_group"),
+                 (model_mod.Linear, "__call__")]  # fmt: skip
+        for owner, name in spied:
             fn = getattr(owner, name)
 
             def spy(*a, _fn=fn, _name=name, **kw):
                 if _name == "__call__":  # a Linear: row-invariant (stackable) or not
                     _name = "stackable" if a[0].row_invariant else "per-sequence"
-                self.n[_name] += 1
+                if _name == "expert_ffn_group":
+                    self.n["group"] += 1
+                    self.n["expert_ffn"] += len(a[1])  # a: self, records, ...
+                else:
+                    self.n[_name] += 1
                 return _fn(*a, **kw)
 
             monkeypatch.setattr(owner, name, spy)
@@ -91,6 +99,9 @@ async def test_stacked_batch_equals_solo_runs_with_fewer_calls(store, monkeypatc
         # one call per expert and step instead of one per sequence routed to it; the
         # projections and the output head once per step instead of once per sequence
         assert calls.n["expert_ffn"] < solo_calls["expert_ffn"]
+        # and the ready experts of a trip in one kernel call (Model.expert_ffn_group)
+        assert 0 < calls.n["group"] < solo_calls["group"]
+        assert calls.n["group"] < calls.n["expert_ffn"]
         assert calls.n["stackable"] * len(prompts) == solo_calls["stackable"] > 0
         assert calls.n["per-sequence"] == solo_calls["per-sequence"]  # the f32 routers
 

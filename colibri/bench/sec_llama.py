@@ -203,6 +203,9 @@ class PartTimer:
             fn = getattr(obj, name)
             self._saved.append((obj, name, fn))
             setattr(obj, name, self._wrap(label, fn))
+        # a trip's ready experts in one call (Model.expert_ffn_group): routed experts too
+        self._saved.append((model.Model, "expert_ffn_group", model.Model.expert_ffn_group))
+        model.Model.expert_ffn_group = self._wrap("routed experts", model.Model.expert_ffn_group)
         # Model.attention (per sequence) runs inside attention_batch: time it only when alone
         self._saved.append((model.Model, "attention", model.Model.attention))
         model.Model.attention = self._wrap(

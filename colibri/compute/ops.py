@@ -12,6 +12,8 @@ import functools
 import math
 import os
 import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -651,6 +653,104 @@ def _expert_ffn_mixed(
     if rc:
         names = "/".join(q.name for q in qts)
         _check(rc, f"expert_ffn({names}, n={n}, d_model={d_model}, d_ff={d_ff})")
+    return out
+
+
+def expert_ffn_group(
+    out: np.ndarray,
+    x: np.ndarray,
+    records: Sequence[Buffer],
+    spans: Mapping[str, tuple[int, int]],
+    qtypes: tuple[QType | str | int, QType | str | int, QType | str | int],
+    row_off: np.ndarray,
+    d_model: int,
+    d_ff: int,
+    *,
+    act: Act | str | int = Act.SILU,
+    row_weight: np.ndarray | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    act_q8: bool = False,
+    q8k: bool = False,
+    nthreads: int = 0,
+) -> np.ndarray:
+    """Several experts of one layer in one kernel call (clb_expert_ffn_group): expert e, whose
+    record is records[e] (uint8 buffers, e.g. slab slots), runs on the rows
+    x[row_off[e] : row_off[e + 1]] and writes out's same rows, exactly as expert_ffn
+    (accumulate=False; act_q8 as there) or, with q8k, expert_ffn_q8k on those rows alone.
+
+    x, out: float32 [n, d_model]; row_off: int64 [len(records) + 1], non-decreasing from 0 to
+    n; row_weight: float32 [n] or None. spans: tensor name -> (byte offset, nbytes) inside
+    every record, for "gate", "up", "down" and optionally "gate_bias", "up_bias",
+    "down_bias" (f32); qtypes: (gate, up, down) storage types, the same for every record.
+    One Python call for a layer's ready experts instead of one per expert (serve's batches
+    run tens of experts a layer). Returns out. Raises KernelError on bad shapes, spans that
+    do not fit a record, or types the chosen path does not take."""
+    qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
+    what = "expert_ffn_group"
+    if q8k and (len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts)):
+        raise KernelError(f"{what}: q8k needs Q4_K, Q5_K or Q6_K gate/up/down, got {qts}")
+    if len(qts) != 3:
+        raise KernelError(f"{what}: qtypes must be (gate, up, down), got {len(qts)} types")
+    a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
+    n, cols, rows = _rows_x(x, out, what)
+    if x.ndim != 2 or cols != d_model or rows != d_model:
+        raise KernelError(f"{what}: x {x.shape} and out {out.shape} need [n, {d_model}]")
+    g_qt, u_qt, d_qt = qts
+    wants = (d_ff * _row_nbytes(g_qt, d_model), d_ff * _row_nbytes(u_qt, d_model),
+             d_model * _row_nbytes(d_qt, d_ff))  # fmt: skip
+    for name, qt, want in zip(("gate", "up", "down"), qts, wants, strict=True):
+        if spans[name][1] != want:
+            raise KernelError(f"{what}: {name} is {spans[name][1]} bytes, {qt.name}: {want}")
+    _opt_f32(row_weight, n, f"{what}: row_weight")
+    row_off = np.ascontiguousarray(row_off, dtype=np.int64)
+    if (
+        row_off.shape != (len(records) + 1,)
+        or row_off[0] != 0
+        or row_off[-1] != n
+        or (np.diff(row_off) < 0).any()
+    ):
+        raise KernelError(
+            f"{what}: row_off must rise from 0 to {n} (the rows of x) in {len(records) + 1} "
+            f"entries, got {row_off.tolist()}"
+        )
+    end = max(o + nb for o, nb in spans.values())
+    bias_names = ("gate_bias", "up_bias", "down_bias")
+    bias_sizes = {"gate_bias": d_ff, "up_bias": d_ff, "down_bias": d_model}
+    for name in bias_names:
+        if name in spans and spans[name][1] != 4 * bias_sizes[name]:
+            raise KernelError(f"{what}: {name} spans {spans[name][1]} bytes, needs "
+                              f"{4 * bias_sizes[name]}")  # fmt: skip
+    keep = []
+    ptrs: dict[str, list[Any]] = {k: [] for k in ("gate", "up", "down", *bias_names)}
+    for e, rec in enumerate(records):
+        if (nb := _nbytes(rec, f"{what}: records[{e}]")) < end:
+            raise KernelError(f"{what}: records[{e}] has {nb} bytes, its spans need {end}")
+        base = ffi.cast("uint8_t *", ffi.from_buffer(rec))
+        keep.append(rec)
+        for name in ptrs:
+            if name in spans:
+                ptrs[name].append(base + spans[name][0])
+    biases = [
+        ffi.new("float *[]", [ffi.cast("float *", p) for p in ptrs[b]]) if ptrs[b] else ffi.NULL
+        for b in bias_names
+    ]
+    m = int(np.diff(row_off).max()) if len(records) else 0
+    scratch = _scratch("ffn", 2 * max(m, 1) * d_ff, np.float32)
+    qs = ffi.NULL
+    if act_q8 and not q8k:
+        scratch, qs = _ffn_scratch(scratch, True, qts, max(m, 1), d_model, d_ff)
+    rc = lib.clb_expert_ffn_group(
+        len(records), *qts, bool(q8k), _fp(out), _fp(scratch), _fp(x),
+        ffi.new("void *[]", ptrs["gate"]), ffi.new("void *[]", ptrs["up"]),
+        ffi.new("void *[]", ptrs["down"]), *biases, _fp(row_weight),
+        ffi.cast("int64_t *", ffi.from_buffer(row_off)), d_model, d_ff, a, alpha, limit, qs,
+        nthreads,
+    )  # fmt: skip
+    del keep
+    if rc:
+        names = "/".join(q.name for q in qts)
+        _check(rc, f"{what}({names}, {len(records)} experts, n={n}, d_model={d_model})")
     return out
 
 
