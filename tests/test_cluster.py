@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -303,3 +304,61 @@ def test_plain_actor_calls_when_the_graph_is_off(cluster, mixtral):
     assert c_tokens == tokens and np.array_equal(c_logits, logits)
     assert st.cluster.graph == "off" and st.cluster.graph_calls == 0
     assert st.cluster.layer_calls == (N_TOKENS + 1) * len(open_store(mixtral).moe_layers)
+
+
+def test_a_node_that_leaves_while_the_graph_serves_fails_the_request_and_the_graph_is_rebuilt(
+    cluster, mixtral
+):
+    """As above with decode going through the compiled graph: the node of one of its owners
+    leaves mid-generation; that request fails naming the owner (within bounded waits), the
+    next one gets the single-process tokens (plain calls, the owner started on a node still
+    there), and a new graph over the owners as they are now serves bit-identical decode."""
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    tokens, logits, _ = asyncio.run(_greedy(mixtral))
+    moe_layers = len(open_store(mixtral).moe_layers)
+
+    async def decode(engine, n=N_TOKENS):
+        seq = engine.new_sequence()
+        out, rows = [], [await engine.forward(seq, PROMPT)]
+        for _ in range(n):
+            out.append(int(np.argmax(rows[-1])))
+            rows.append(await engine.forward(seq, [out[-1]]))
+        return out, np.stack(rows)
+
+    async def main():
+        async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
+            experts = engine.cluster
+            experts.graph_timeout = experts.restart_timeout = 60.0  # bounded, well under CI's
+            assert len(experts.handles()) == 3
+            owners = experts.statistics().owners
+            leaving = next(o.index for o in owners if o.node_id == node.node_id)
+            assert await asyncio.wait_for(experts.wait_graph(), 240) == "ready"
+            experts.transport = "graph"
+            before = experts.statistics().graph_calls
+            first = await decode(engine)
+            assert experts.statistics().graph_calls - before >= N_TOKENS * moe_layers
+            t0 = time.monotonic()
+            with pytest.raises(ColibriError, match=rf"expert owner {leaving} on node .* failed"):
+                seq = engine.new_sequence()
+                await engine.forward(seq, PROMPT)
+                for k in range(40):
+                    if k == 2:
+                        cluster.remove_node(node)
+                    await engine.forward(seq, [5])
+            failed_after = time.monotonic() - t0
+            assert experts.graph_state() != "ready"  # the broken graph was dropped
+            again = await decode(engine)  # plain calls; the owner comes back elsewhere
+            assert await asyncio.wait_for(experts.wait_graph(), 240) == "ready"
+            before = experts.statistics().graph_calls
+            rebuilt = await decode(engine)
+            st = experts.statistics()
+            return first, again, rebuilt, st.graph_calls - before, st, leaving, failed_after
+
+    first, again, rebuilt, regraphed, st, leaving, failed_after = asyncio.run(main())
+    for got_tokens, got_logits in (first, again, rebuilt):
+        assert got_tokens == tokens and np.array_equal(got_logits, logits[: N_TOKENS + 1])
+    assert regraphed >= N_TOKENS * moe_layers  # the new graph served every decode step
+    moved = st.owners[leaving]
+    assert moved.restarts == 1 and moved.errors >= 1 and moved.node_id != node.node_id
+    assert failed_after < 120  # graph timeout (60 s) plus the dead owner's probe at most

@@ -51,13 +51,16 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from colibri.cluster.owner import ExpertOwner
 from colibri.cluster.placement import place
 from colibri.errors import ColibriError
+
+if TYPE_CHECKING:
+    from colibri.engine import EngineOptions
 
 RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
 GRAPH_ROWS = 16  # rows an owner's share of a layer may have to go through the compiled graph
@@ -142,8 +145,8 @@ def _owner_actor_class() -> Any:
 
     @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
     class ExpertOwnerActor:
-        def __init__(self, path: str, options: dict[str, Any]) -> None:
-            self.owner = ExpertOwner(path, **options)
+        def __init__(self, path: str, options: EngineOptions, pad: int) -> None:
+            self.owner = ExpertOwner(path, options, pad)
             self.loop: asyncio.AbstractEventLoop | None = None
 
         async def open(self) -> dict[str, Any]:
@@ -232,13 +235,14 @@ class _Graph:
         del answers
         return out
 
-    async def run(self, calls: list[Any]) -> list[Any]:
-        """Execute once with each owner's call (None: nothing for it); each owner's answer.
-        Raises Ray's errors (an owner died, a timeout): the graph is then unusable."""
+    async def run(self, calls: list[Any], timeout: float = GRAPH_TIMEOUT) -> list[Any]:
+        """Execute once with each owner's call (None: nothing for it); each owner's answer
+        within `timeout` seconds. Raises Ray's errors (an owner died, a timeout): the graph
+        is then unusable."""
         self.busy = True
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.thread, self._execute, calls, GRAPH_TIMEOUT)
+            return await loop.run_in_executor(self.thread, self._execute, calls, timeout)
         finally:
             self.busy = False
 
@@ -277,6 +281,7 @@ class ClusterExperts:
         self.layer_calls = self.graph_calls = 0
         self.round_trip_seconds = self.overhead_seconds = 0.0
         self.restart_timeout = RESTART_TIMEOUT
+        self.graph_timeout = GRAPH_TIMEOUT  # seconds a graph execution may take, then it fails
         self._closed = False
         # the compiled graph (0: plain actor calls only), rebuilt after an owner comes back
         self.graph_buffer_nbytes = graph_buffer_nbytes
@@ -455,7 +460,7 @@ class ClusterExperts:
                 calls.append(None)
         t0 = time.perf_counter()
         try:
-            answers = await graph.run(calls)
+            answers = await graph.run(calls, self.graph_timeout)
         except Exception as exc:
             self._drop_graph()
             owner = await self._dead_owner(exc)
@@ -667,39 +672,30 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
 
 def open_cluster_experts(
-    address: str,
     store: Any,
+    options: EngineOptions,
     *,
-    owners_per_node: int = 1,
+    pad: int = 1,
     shard: np.ndarray | None = None,
     node_stores: Sequence[str] | None = None,
     hosts: Sequence[str] | None = None,
     popularity: Mapping[tuple[int, int], float] | None = None,
-    budget: int | None = None,
-    threads: int = 0,
-    activations: str = "q8_k",
-    pad: int = 1,
-    io: str = "auto",
-    policy: str = "lru",
-    verify: bool = True,
-    prefetch: bool = True,
-    queue_depth: int = 32,
-    compiled_graph: bool = True,
 ) -> ClusterExperts:
-    """Connect to the Ray cluster at `address` ("auto": the running one; a "host:port"; or
-    an address already joined by ray.init), start the expert owners and wait until each has
-    opened its store.
+    """Connect to the Ray cluster at options.cluster ("auto": the running one; a
+    "host:port"; or an address already joined by ray.init), start the expert owners and wait
+    until each has opened its store.
 
-    store: the coordinator's Store (its config and record size). Owners: owners_per_node on
-    each alive node, or one per entry of node_stores (each owner's store directory on its
-    node; default: store.path on every node), owner k on the node whose IP is hosts[k] when
-    given, else on the alive nodes in turn (Ray node id order). shard: the shard map
-    (placement.py); default place() by `popularity` over the owners. budget: each owner's
-    expert cache bytes (None: every record of its store that fits in half its node's
-    memory). threads, activations, pad: the owners' kernels (activations and pad must be
-    the coordinator's). io, policy, verify, prefetch, queue_depth: the owners' IO stacks.
-    compiled_graph: send small layer calls (decode) through a Ray Compiled Graph, built in
-    the background (False: plain actor calls only; see the module docstring).
+    store: the coordinator's Store (its config and record size). options: the coordinator's
+    EngineOptions, which the owners share (ExpertOwner: budget is each owner's expert cache
+    bytes, None: every record of its store that fits in half its node's memory; threads and
+    activations its kernels; io, policy, verify, prefetch, queue_depth its IO stack;
+    cluster_graph: send small layer calls, decode's, through a Ray Compiled Graph built in
+    the background, False: plain actor calls only, see the module docstring). pad: the
+    coordinator's Model.pad. Owners: options.owners_per_node on each alive node, or one per
+    entry of node_stores (each owner's store directory on its node; default: store.path on
+    every node), owner k on the node whose IP is hosts[k] when given, else on the alive nodes
+    in turn (Ray node id order). shard: the shard map (placement.py); default place() by
+    `popularity` over the owners.
     Raises ColibriError when Ray is not installed, the cluster cannot be reached, or an
     owner cannot open its store.
     """
@@ -709,6 +705,7 @@ def open_cluster_experts(
         raise ColibriError(
             "--cluster needs Ray: pip install 'colibri[cluster]' (or pip install ray)"
         ) from None
+    address = options.cluster
     ray_owned = not ray.is_initialized()
     if ray_owned:
         try:
@@ -723,11 +720,8 @@ def open_cluster_experts(
                 f"--cluster {address}: cannot join the Ray cluster ({exc})"
             ) from None
     nodes = _alive_nodes()
-    paths = list(node_stores) if node_stores else [str(store.path)] * (len(nodes) * owners_per_node)
-    options = dict(
-        budget=budget, threads=threads, activations=activations, pad=pad, io=io, policy=policy,
-        verify=verify, prefetch=prefetch, queue_depth=queue_depth,
-    )  # fmt: skip
+    per_node = options.owners_per_node
+    paths = list(node_stores) if node_stores else [str(store.path)] * (len(nodes) * per_node)
     actor = _owner_actor_class()
 
     def spawn(path: str, node: dict[str, Any] | None) -> tuple[Any, str, str]:
@@ -738,7 +732,7 @@ def open_cluster_experts(
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
         else:
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        handle = actor.options(scheduling_strategy=strategy).remote(path, options)
+        handle = actor.options(scheduling_strategy=strategy).remote(path, options, pad)
         return handle, node["NodeID"], node["NodeManagerAddress"]
 
     owners = []
@@ -781,5 +775,7 @@ def open_cluster_experts(
     spec = model_spec(store.config)
     # a channel holds GRAPH_ROWS rows in, their top_k outputs back, and the framing
     nbytes = GRAPH_ROWS * (spec.moe.router.top_k + 1) * spec.d_model * 4 + (256 << 10)
-    nbytes = nbytes if compiled_graph else 0
-    return ClusterExperts(owners, shard, prefetch, ray_owned, spawn, graph_buffer_nbytes=nbytes)
+    nbytes = nbytes if options.cluster_graph else 0
+    return ClusterExperts(
+        owners, shard, options.prefetch, ray_owned, spawn, graph_buffer_nbytes=nbytes
+    )

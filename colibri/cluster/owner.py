@@ -19,11 +19,14 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from colibri.errors import ColibriError
+
+if TYPE_CHECKING:
+    from colibri.engine import EngineOptions
 
 INLINE_ROWS = 16  # up to this many rows with every record cached are computed on the loop
 COUNTS_EVERY = 0.25  # seconds between two counts() sent back with an ffn answer
@@ -33,33 +36,19 @@ Part = tuple[np.ndarray, np.ndarray, np.ndarray]  # h f32 [m, d], ids int32 [m, 
 class ExpertOwner:
     """The experts of one shard of a store, with their own cache, reader and prefetcher.
 
-    path: this node's store directory. budget: expert cache bytes (None: every record of the
-    store's experts file that fits in half the available memory). threads: kernel threads
-    (0: physical cores). activations, pad: as the coordinator's Model (they change the
-    kernels' bytes, so they must match it). io, policy, verify, prefetch, queue_depth: as
-    EngineOptions. Opening happens on the first call (`open()`), on the actor's event loop.
-    Raises StoreError / ColibriError from open() (missing store, budget too small).
+    path: this node's store directory. options: the coordinator's EngineOptions (one
+    definition of them: budget is this owner's expert cache bytes, None: every record of the
+    store's experts file that fits in half the available memory; threads: kernel threads, 0:
+    physical cores; activations: must be the coordinator's, it changes the kernels' bytes;
+    io, policy, verify, prefetch, queue_depth: this owner's IO stack; the rest is the
+    coordinator's). pad: the coordinator's Model.pad (likewise). Opening happens on the first
+    call (`open()`), on the actor's event loop. Raises StoreError / ColibriError from open()
+    (missing store, budget too small).
     """
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        budget: int | None = None,
-        threads: int = 0,
-        activations: str = "q8_k",
-        pad: int = 1,
-        io: str = "auto",
-        policy: str = "lru",
-        verify: bool = True,
-        prefetch: bool = True,
-        queue_depth: int = 32,
-    ) -> None:
+    def __init__(self, path: str, options: EngineOptions, pad: int = 1) -> None:
         self.path = path
-        self.options = dict(
-            budget=budget, threads=threads, activations=activations, pad=pad, io=io,
-            policy=policy, verify=verify, prefetch=prefetch, queue_depth=queue_depth,
-        )  # fmt: skip
+        self.options, self.pad = options, pad
         self.model: Any = None
         self.stack: Any = None
         self._opening: asyncio.Future | None = None
@@ -94,16 +83,15 @@ class ExpertOwner:
         store = open_store(self.path)
         spec = model_spec(store.config)
         self.model = Model(
-            store, spec, nthreads=o["threads"], activations=o["activations"], pad=o["pad"],
-            dense=False,
-        )  # fmt: skip
+            store, spec, nthreads=o.threads, activations=o.activations, pad=self.pad, dense=False
+        )
         slot = -(-store.layout.record_nbytes // 4096) * 4096
         everything = len(store.records) * slot
-        budget = o["budget"] or min(everything, max(available_memory() // 2, slot))
+        budget = o.budget or min(everything, max(available_memory() // 2, slot))
         budget = max(min(budget, everything), spec.moe.router.top_k * slot)
         self.stack = open_expert_cache(
-            store, budget, io=o["io"], policy=o["policy"], verify=o["verify"],
-            prefetch=o["prefetch"], queue_depth=o["queue_depth"],
+            store, budget, io=o.io, policy=o.policy, verify=o.verify, prefetch=o.prefetch,
+            queue_depth=o.queue_depth,
         )  # fmt: skip
 
     async def ffn(
