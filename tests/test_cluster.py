@@ -285,9 +285,18 @@ def test_compiled_graph_serves_decode_bit_identical_and_is_rebuilt_after_a_kill(
             assert await experts.wait_graph() == "ready"
             before = experts.statistics().graph_calls
             rebuilt = await decode(engine)
-            return got, auto, graphed, again, rebuilt, experts.statistics().graph_calls - before
+            regraphed = experts.statistics().graph_calls - before
+            # idle: torn down (its channels' poll threads stop); plain calls serve on
+            experts.graph_idle = 0.5
+            await asyncio.sleep(7)  # the check armed at GRAPH_IDLE (5 s) finds 0.5 s idle
+            assert experts.graph_state() == "waiting"
+            assert experts.statistics().graph_teardowns == 1
+            idle = await decode(engine)
+            assert experts.graph_state() == "waiting"  # not rebuilt before GRAPH_AFTER calls
+            return got, auto, graphed, again, rebuilt, regraphed, idle
 
-    (g_tokens, g_logits), auto, graphed, again, rebuilt, regraphed = asyncio.run(main())
+    (g_tokens, g_logits), auto, graphed, again, rebuilt, regraphed, idle = asyncio.run(main())
+    assert idle[0] == tokens and np.array_equal(idle[1], logits)
     assert g_tokens == tokens and np.array_equal(g_logits, logits)
     assert auto[0] == tokens and np.array_equal(auto[1], logits)
     assert graphed >= N_TOKENS * moe_layers  # every decode step went through the graph

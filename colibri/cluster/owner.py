@@ -198,8 +198,14 @@ class ExpertOwner:
             self.stack.prefetcher.predict(layer, experts)
 
     def counts(self) -> dict[str, Any]:
-        """The cache's counts() plus calls, compute_seconds, wait_io_seconds and pid."""
+        """The cache's counts() plus calls, compute_seconds, wait_io_seconds and pid; with
+        a prefetcher its prefetch_issued, prefetch_useful_reads (reads of predictions a
+        later call used) and prefetch_wasted_reads."""
         c = self.stack.cache.counts() if self.stack is not None else {}
+        if self.stack is not None and self.stack.prefetcher is not None:
+            p = self.stack.prefetcher.statistics()
+            c = {**c, "prefetch_issued": p.issued, "prefetch_useful_reads": p.useful_reads,
+                 "prefetch_wasted_reads": p.wasted_reads}  # fmt: skip
         return {
             **c,
             "calls": self.calls,
