@@ -371,3 +371,37 @@ def test_a_node_that_leaves_while_the_graph_serves_fails_the_request_and_the_gra
     moved = st.owners[leaving]
     assert moved.restarts == 1 and moved.errors >= 1 and moved.node_id != node.node_id
     assert failed_after < 120  # graph timeout (60 s) plus the dead owner's probe at most
+
+
+def test_auto_tears_down_a_graph_that_stays_costlier():
+    """The transport policy alone (no Ray): "auto" takes the cheaper transport, probes the
+    other every PROBE_EVERY calls, and after GRAPH_LOSSES probes in a row that found the
+    graph costlier tears it down (its channels' poll threads spin) and builds the next one only
+    after GRAPH_RETRY more small calls; one probe where the graph wins resets the count."""
+    from colibri.cluster import client
+
+    class Graph:  # what _pick_graph and _retire_graph touch
+        ready, busy, error = True, False, None
+
+        def close(self):
+            self.closed = True
+
+    experts = client.ClusterExperts([], np.zeros((1, 1), np.int32), False, False, None, 1 << 20)
+    try:
+        graph = experts._graph = Graph()
+        experts._cost = {"graph": 2e-3, "plain": 1e-3}
+        picks = [experts._pick_graph() for _ in range(client.PROBE_EVERY * 2)]
+        assert picks.count(True) == 2 and experts._graph is graph  # two probes, kept
+        experts._cost["graph"] = 0.5e-3  # a probe finds it cheaper: the count starts again
+        assert experts._pick_graph() is True and experts._graph_losses == 0
+        experts._cost["graph"] = 2e-3
+        picks = []
+        while experts._graph is not None and len(picks) < 10 * client.PROBE_EVERY:
+            picks.append(experts._pick_graph())  # (ffn asks only while there is a graph)
+        assert graph.closed and len(picks) == client.PROBE_EVERY * client.GRAPH_LOSSES - 1
+        assert picks.count(True) == client.GRAPH_LOSSES - 1  # the last probe tore it down
+        st = experts.statistics()
+        assert st.graph == "waiting" and st.graph_teardowns == 1
+        assert experts._build_after == client.GRAPH_RETRY and "graph" not in experts._cost
+    finally:
+        experts._graph_thread.shutdown()

@@ -123,11 +123,17 @@ def _graph_floor(ray: Any, node_ids: list[str], calls: int = 200) -> float:
     from ray.dag import InputNode, MultiOutputNode
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from colibri.cluster.client import _numpy_channels
+
     @ray.remote(num_cpus=0)
     class Echo:
+        def __init__(self) -> None:
+            _numpy_channels()  # as client.py's owners
+
         def echo(self, x: Any) -> Any:
             return x
 
+    _numpy_channels()
     actors = [
         Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
         for n in node_ids
@@ -138,7 +144,7 @@ def _graph_floor(ray: Any, node_ids: list[str], calls: int = 200) -> float:
     x = np.zeros((1, 2048), dtype=np.float32)
     times = []
     try:
-        ray.get(compiled.execute(*[x] * len(actors)), timeout=180)  # warm-up: 3-12 s here
+        ray.get(compiled.execute(*[x] * len(actors)), timeout=180)  # warm-up
         for _ in range(calls):
             t0 = time.perf_counter()
             ray.get(compiled.execute(*[x] * len(actors)), timeout=60)
