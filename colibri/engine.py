@@ -134,6 +134,9 @@ class EngineOptions:
     shard_map: str | None = None  # a shard map file (colibri shard): owners and their stores
     # decode's layer calls through a Ray Compiled Graph (False: plain actor calls only)
     cluster_graph: bool = True
+    # kernel threads of each expert owner (None: its node's Ray CPU resource, the cores Ray
+    # gives that node; `threads` is this process's)
+    owner_threads: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -168,6 +171,8 @@ class EngineOptions:
             raise bad("batch", "must be split or fused")
         if self.prefix_cache < 0:
             raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
+        if self.owner_threads is not None and self.owner_threads < 0:
+            raise bad("owner_threads", "must be >= 0 (0: one per physical core of its node)")
         if self.owners_per_node < 1:
             raise bad("owners_per_node", "must be >= 1")
         if self.shard_map is not None and self.cluster is None:

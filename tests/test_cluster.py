@@ -99,6 +99,7 @@ def test_any_shard_map_gives_the_same_logits(cluster, mixtral, tmp_path, owners)
     assert c_tokens == tokens
     assert np.array_equal(c_logits, logits)
     assert len(st.cluster.owners) == n
+    assert all(o.threads == 1 for o in st.cluster.owners)  # its node's CPU resource (1)
     held = [o.records for o in st.cluster.owners]
     assert sum(held) == len(s.records) and all(held)
     assert all(o.calls > 0 for o in st.cluster.owners)

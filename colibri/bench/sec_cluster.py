@@ -284,7 +284,8 @@ def run(ctx: Context) -> Section:
     md = "\n\n".join(
         [
             f"Store: `{store.name}` ({layers} MoE layers, batch 1, {n} decode tokens a pass, "
-            f"{ctx.rounds} interleaved rounds, kernel threads {ctx.threads}); the 2 Ray nodes "
+            f"{ctx.rounds} interleaved rounds, kernel threads {ctx.threads}, each owner "
+            f"{after.owners[0].threads}: its node's CPU resource); the 2 Ray nodes "
             f"and the coordinator share this machine's cores. Compiled graph: {graph}.",
             table(
                 [

@@ -1,6 +1,6 @@
 """ClusterExperts: the coordinator's provider of routed-expert outputs computed on Ray actors.
 
-    experts = open_cluster_experts("auto", store, threads=1)
+    experts = open_cluster_experts(store, EngineOptions(cluster="auto", threads=1))
     pipeline.experts = experts        # each MoE layer now awaits experts.ffn(...)
     ...
     await experts.aclose()
@@ -101,7 +101,8 @@ class OwnerStatistics:
     owner per call (reads and kernels); bytes_sent / bytes_received: array bytes to / from
     it; hits, misses, bytes_read: its expert cache's counters; prefetch_issued /
     prefetch_useful_reads / prefetch_wasted_reads: its prefetcher's reads of the predictions
-    that travel with the calls, and those a later call used / never used."""
+    that travel with the calls, and those a later call used / never used; threads: its kernel
+    threads (EngineOptions.owner_threads)."""
 
     index: int
     node: str
@@ -123,6 +124,7 @@ class OwnerStatistics:
     prefetch_issued: int = 0
     prefetch_useful_reads: int = 0
     prefetch_wasted_reads: int = 0
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class _Owner:
         self.index, self.handle, self.node_id, self.node, self.path = (
             index, handle, node_id, node, path,
         )  # fmt: skip
-        self.pid = 0
+        self.pid = self.threads = 0
         self.records = 0
         self.calls = self.errors = self.restarts = 0
         self.seconds = self.max_seconds = self.last_seconds = self.busy_seconds = 0.0
@@ -750,7 +752,7 @@ class ClusterExperts:
                         f"within {self.restart_timeout:.0f} s after failing"
                     )
                 await asyncio.sleep(0.1)
-            owner.pid = info["pid"]
+            owner.pid, owner.threads = info["pid"], info.get("threads", 0)
             owner.restarts += 1
             owner.down = False
             self._small_calls = 0  # a new graph over the owners as they are now, later
@@ -791,6 +793,7 @@ class ClusterExperts:
                 prefetch_issued=int(o.counts.get("prefetch_issued", 0)),
                 prefetch_useful_reads=int(o.counts.get("prefetch_useful_reads", 0)),
                 prefetch_wasted_reads=int(o.counts.get("prefetch_wasted_reads", 0)),
+                threads=o.threads,
             )
             for o in self._owners
         )
@@ -961,7 +964,7 @@ def open_cluster_experts(
             ray.shutdown()
         raise ColibriError(f"--cluster: an expert owner cannot start: {exc.cause}") from None
     for o, info in zip(owners, infos, strict=True):
-        o.pid = info["pid"]
+        o.pid, o.threads = info["pid"], info.get("threads", 0)
     spec = model_spec(store.config)
     # a channel holds GRAPH_ROWS rows in, their top_k outputs back, and the framing
     nbytes = GRAPH_ROWS * (spec.moe.router.top_k + 1) * spec.d_model * 4 + (256 << 10)

@@ -33,13 +33,32 @@ COUNTS_EVERY = 0.25  # seconds between two counts() sent back with an ffn answer
 Part = tuple[np.ndarray, np.ndarray, np.ndarray]  # h f32 [m, d], ids int32 [m, k], w f32 [m, k]
 
 
+def _node_cpus() -> int:
+    """The CPU resource of the Ray node this process runs on (0: not under Ray, or none)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 0
+        node = ray.get_runtime_context().get_node_id()
+        for n in ray.nodes():
+            if n.get("NodeID") == node:
+                return int(n.get("Resources", {}).get("CPU", 0))
+    except Exception:  # an older or newer Ray without these: physical cores
+        return 0
+    return 0
+
+
 class ExpertOwner:
     """The experts of one shard of a store, with their own cache, reader and prefetcher.
 
     path: this node's store directory. options: the coordinator's EngineOptions (one
     definition of them: budget is this owner's expert cache bytes, None: every record of the
-    store's experts file that fits in half the available memory; threads: kernel threads, 0:
-    physical cores; activations: must be the coordinator's, it changes the kernels' bytes;
+    store's experts file that fits in half the available memory; owner_threads: kernel
+    threads, None: the CPU resource Ray gives this node (local nodes sharing one machine then
+    do not oversubscribe its cores; several owners per node each take all of it), 0 (also
+    outside Ray): its physical cores;
+    activations: must be the coordinator's, it changes the kernels' bytes;
     io, policy, verify, prefetch, queue_depth: this owner's IO stack; the rest is the
     coordinator's). pad: the coordinator's Model.pad (likewise). Opening happens on the first
     call (`open()`), on the actor's event loop. Raises StoreError / ColibriError from open()
@@ -59,10 +78,11 @@ class ExpertOwner:
         self.compute_seconds = 0.0
         self.wait_io_seconds = 0.0
         self.pid = os.getpid()
+        self.threads = 0  # kernel threads, known once opened
 
     async def open(self) -> dict[str, Any]:
         """Open the store and the IO stack (once; later calls wait for the first). Returns
-        {"pid", "host", "budget_nbytes"}."""
+        {"pid", "host", "budget_nbytes", "threads"} (threads: its kernel threads)."""
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
@@ -70,6 +90,7 @@ class ExpertOwner:
             "pid": self.pid,
             "host": os.uname().nodename,
             "budget_nbytes": self.stack.cache.budget_nbytes,
+            "threads": self.threads,
         }
 
     async def _open(self) -> None:
@@ -82,9 +103,11 @@ class ExpertOwner:
         o = self.options
         store = open_store(self.path)
         spec = model_spec(store.config)
+        self.threads = o.owner_threads if o.owner_threads is not None else _node_cpus()
         self.model = Model(
-            store, spec, nthreads=o.threads, activations=o.activations, pad=self.pad, dense=False
-        )
+            store, spec, nthreads=self.threads, activations=o.activations, pad=self.pad,
+            dense=False,
+        )  # fmt: skip
         slot = -(-store.layout.record_nbytes // 4096) * 4096
         everything = len(store.records) * slot
         budget = o.budget or min(everything, max(available_memory() // 2, slot))
