@@ -134,6 +134,9 @@ class EngineOptions:
     shard_map: str | None = None  # a shard map file (colibri shard): owners and their stores
     # decode's layer calls through a Ray Compiled Graph (False: plain actor calls only)
     cluster_graph: bool = True
+    # kernel threads of each expert owner (None: its node's Ray CPU resource, the cores Ray
+    # gives that node; `threads` is this process's)
+    owner_threads: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ColibriError:
@@ -168,6 +171,8 @@ class EngineOptions:
             raise bad("batch", "must be split or fused")
         if self.prefix_cache < 0:
             raise bad("prefix_cache", "must be >= 0 bytes (0: off)")
+        if self.owner_threads is not None and self.owner_threads < 0:
+            raise bad("owner_threads", "must be >= 0 (0: one per physical core of its node)")
         if self.owners_per_node < 1:
             raise bad("owners_per_node", "must be >= 1")
         if self.shard_map is not None and self.cluster is None:
@@ -325,7 +330,6 @@ class Engine:
             )
         # more than every record is never used: a budget above that does not reserve memory
         budget = min(budget, max(minimum, len(store.records) * (-(-record_nbytes // 4096) * 4096)))
-        owner_budget = options.budget
         if options.cluster is not None:
             budget = minimum  # the routed experts live on the owners; this cache stays unused
         try:
@@ -353,7 +357,7 @@ class Engine:
         self.cluster: Any = None
         if options.cluster is not None:
             try:
-                self.cluster = self._open_cluster(owner_budget)
+                self.cluster = self._open_cluster()
             except BaseException:
                 self.pipeline.close()
                 self.io.close_pool()
@@ -382,8 +386,9 @@ class Engine:
         self.prefix_cache = PrefixCache(options.prefix_cache) if options.prefix_cache else None
         self.scheduler = Scheduler(self, options.max_running, self.prefill_chunk)
 
-    def _open_cluster(self, budget: int | None) -> Any:
-        """The expert owners on the Ray cluster of options.cluster (colibri/cluster)."""
+    def _open_cluster(self) -> Any:
+        """The expert owners on the Ray cluster of options.cluster (colibri/cluster), with
+        this engine's options (options.budget: each owner's expert cache)."""
         from colibri.cluster.client import open_cluster_experts
         from colibri.cluster.placement import load_shard_map
 
@@ -394,22 +399,12 @@ class Engine:
                 o.shard_map, len(self.spec.layers), self.store.num_experts
             )
         return open_cluster_experts(
-            o.cluster,
             self.store,
-            owners_per_node=o.owners_per_node,
+            o,
+            pad=self.model.pad,
             shard=shard,
             node_stores=nodes,
             hosts=hosts,
-            budget=budget,
-            threads=o.threads,
-            activations=o.activations,
-            pad=self.model.pad,
-            io=o.io,
-            policy=o.policy,
-            verify=o.verify,
-            prefetch=o.prefetch,
-            queue_depth=o.queue_depth,
-            compiled_graph=o.cluster_graph,
         )
 
     def _check_kv_fits(self, n_ctx: int) -> None:

@@ -43,6 +43,9 @@ class StepTimes:
 
     compute: float = 0.0  # in kernels (executor)
     wait_io: float = 0.0  # awaiting expert records that were not ready
+    # with the routed experts elsewhere (cluster): seconds of this process's own work for a
+    # MoE layer (shared expert / dense MLP) done while the owners' calls were out
+    overlapped: float = 0.0
     layers: int = 0
     experts: int = 0
     steps: int = 0  # forward passes (one per batch of sequences)
@@ -522,11 +525,17 @@ class Pipeline:
         xs = self._ffn_targets(step, routed, mixes)
         dense = self._sandwich(i, xs)
         call = asyncio.ensure_future(self.experts.ffn(i, routed, predicted))
+        done_at: list[float] = []
+        call.add_done_callback(lambda _: done_at.append(time.perf_counter()))
         try:
-            await self._run(self._expert_step, i, [], xs, routed, [], True, None, dense)
+            await asyncio.sleep(0)  # the call's first step sends to the owners before our trip
             t0 = time.perf_counter()
+            await self._run(self._expert_step, i, [], xs, routed, [], True, None, dense)
+            t1 = time.perf_counter()
+            end = min(t1, done_at[0]) if done_at else t1  # the trip's part the call was out
+            self.times.overlapped += max(0.0, end - t0)
             slots = await call
-            self.times.wait_io += time.perf_counter() - t0
+            self.times.wait_io += time.perf_counter() - t1
         finally:
             if not call.done():
                 call.cancel()

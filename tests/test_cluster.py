@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,7 @@ def test_any_shard_map_gives_the_same_logits(cluster, mixtral, tmp_path, owners)
     assert c_tokens == tokens
     assert np.array_equal(c_logits, logits)
     assert len(st.cluster.owners) == n
+    assert all(o.threads == 1 for o in st.cluster.owners)  # its node's CPU resource (1)
     held = [o.records for o in st.cluster.owners]
     assert sum(held) == len(s.records) and all(held)
     assert all(o.calls > 0 for o in st.cluster.owners)
@@ -284,9 +286,18 @@ def test_compiled_graph_serves_decode_bit_identical_and_is_rebuilt_after_a_kill(
             assert await experts.wait_graph() == "ready"
             before = experts.statistics().graph_calls
             rebuilt = await decode(engine)
-            return got, auto, graphed, again, rebuilt, experts.statistics().graph_calls - before
+            regraphed = experts.statistics().graph_calls - before
+            # idle: torn down (its channels' poll threads stop); plain calls serve on
+            experts.graph_idle = 0.5
+            await asyncio.sleep(7)  # the check armed at GRAPH_IDLE (5 s) finds 0.5 s idle
+            assert experts.graph_state() == "waiting"
+            assert experts.statistics().graph_teardowns == 1
+            idle = await decode(engine)
+            assert experts.graph_state() == "waiting"  # not rebuilt before GRAPH_AFTER calls
+            return got, auto, graphed, again, rebuilt, regraphed, idle
 
-    (g_tokens, g_logits), auto, graphed, again, rebuilt, regraphed = asyncio.run(main())
+    (g_tokens, g_logits), auto, graphed, again, rebuilt, regraphed, idle = asyncio.run(main())
+    assert idle[0] == tokens and np.array_equal(idle[1], logits)
     assert g_tokens == tokens and np.array_equal(g_logits, logits)
     assert auto[0] == tokens and np.array_equal(auto[1], logits)
     assert graphed >= N_TOKENS * moe_layers  # every decode step went through the graph
@@ -303,3 +314,95 @@ def test_plain_actor_calls_when_the_graph_is_off(cluster, mixtral):
     assert c_tokens == tokens and np.array_equal(c_logits, logits)
     assert st.cluster.graph == "off" and st.cluster.graph_calls == 0
     assert st.cluster.layer_calls == (N_TOKENS + 1) * len(open_store(mixtral).moe_layers)
+
+
+def test_a_node_that_leaves_while_the_graph_serves_fails_the_request_and_the_graph_is_rebuilt(
+    cluster, mixtral
+):
+    """As above with decode going through the compiled graph: the node of one of its owners
+    leaves mid-generation; that request fails naming the owner (within bounded waits), the
+    next one gets the single-process tokens (plain calls, the owner started on a node still
+    there), and a new graph over the owners as they are now serves bit-identical decode."""
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    tokens, logits, _ = asyncio.run(_greedy(mixtral))
+    moe_layers = len(open_store(mixtral).moe_layers)
+
+    async def decode(engine, n=N_TOKENS):
+        seq = engine.new_sequence()
+        out, rows = [], [await engine.forward(seq, PROMPT)]
+        for _ in range(n):
+            out.append(int(np.argmax(rows[-1])))
+            rows.append(await engine.forward(seq, [out[-1]]))
+        return out, np.stack(rows)
+
+    async def main():
+        async with open_engine(mixtral, threads=1, cluster=cluster.address) as engine:
+            experts = engine.cluster
+            experts.graph_timeout = experts.restart_timeout = 60.0  # bounded, well under CI's
+            assert len(experts.handles()) == 3
+            owners = experts.statistics().owners
+            leaving = next(o.index for o in owners if o.node_id == node.node_id)
+            assert await asyncio.wait_for(experts.wait_graph(), 240) == "ready"
+            experts.transport = "graph"
+            before = experts.statistics().graph_calls
+            first = await decode(engine)
+            assert experts.statistics().graph_calls - before >= N_TOKENS * moe_layers
+            t0 = time.monotonic()
+            with pytest.raises(ColibriError, match=rf"expert owner {leaving} on node .* failed"):
+                seq = engine.new_sequence()
+                await engine.forward(seq, PROMPT)
+                for k in range(40):
+                    if k == 2:
+                        cluster.remove_node(node)
+                    await engine.forward(seq, [5])
+            failed_after = time.monotonic() - t0
+            assert experts.graph_state() != "ready"  # the broken graph was dropped
+            again = await decode(engine)  # plain calls; the owner comes back elsewhere
+            assert await asyncio.wait_for(experts.wait_graph(), 240) == "ready"
+            before = experts.statistics().graph_calls
+            rebuilt = await decode(engine)
+            st = experts.statistics()
+            return first, again, rebuilt, st.graph_calls - before, st, leaving, failed_after
+
+    first, again, rebuilt, regraphed, st, leaving, failed_after = asyncio.run(main())
+    for got_tokens, got_logits in (first, again, rebuilt):
+        assert got_tokens == tokens and np.array_equal(got_logits, logits[: N_TOKENS + 1])
+    assert regraphed >= N_TOKENS * moe_layers  # the new graph served every decode step
+    moved = st.owners[leaving]
+    assert moved.restarts == 1 and moved.errors >= 1 and moved.node_id != node.node_id
+    assert failed_after < 120  # graph timeout (60 s) plus the dead owner's probe at most
+
+
+def test_auto_tears_down_a_graph_that_stays_costlier():
+    """The transport policy alone (no Ray): "auto" takes the cheaper transport, probes the
+    other every PROBE_EVERY calls, and after GRAPH_LOSSES probes in a row that found the
+    graph costlier tears it down (its channels' poll threads spin) and builds the next one only
+    after GRAPH_RETRY more small calls; one probe where the graph wins resets the count."""
+    from colibri.cluster import client
+
+    class Graph:  # what _pick_graph and _retire_graph touch
+        ready, busy, error = True, False, None
+
+        def close(self):
+            self.closed = True
+
+    experts = client.ClusterExperts([], np.zeros((1, 1), np.int32), False, False, None, 1 << 20)
+    try:
+        graph = experts._graph = Graph()
+        experts._cost = {"graph": 2e-3, "plain": 1e-3}
+        picks = [experts._pick_graph() for _ in range(client.PROBE_EVERY * 2)]
+        assert picks.count(True) == 2 and experts._graph is graph  # two probes, kept
+        experts._cost["graph"] = 0.5e-3  # a probe finds it cheaper: the count starts again
+        assert experts._pick_graph() is True and experts._graph_losses == 0
+        experts._cost["graph"] = 2e-3
+        picks = []
+        while experts._graph is not None and len(picks) < 10 * client.PROBE_EVERY:
+            picks.append(experts._pick_graph())  # (ffn asks only while there is a graph)
+        assert graph.closed and len(picks) == client.PROBE_EVERY * client.GRAPH_LOSSES - 1
+        assert picks.count(True) == client.GRAPH_LOSSES - 1  # the last probe tore it down
+        st = experts.statistics()
+        assert st.graph == "waiting" and st.graph_teardowns == 1
+        assert experts._build_after == client.GRAPH_RETRY and "graph" not in experts._cost
+    finally:
+        experts._graph_thread.shutdown()

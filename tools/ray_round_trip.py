@@ -33,8 +33,14 @@ has released it, i.e. until those arrays are gone; a caller that keeps `out =
 ray.get(compiled.execute(...))` alive across the next execute() hangs there, on 1 node as on
 2 (https://docs.ray.io/en/latest/ray-core/compiled-graph/troubleshooting.html, "Return NumPy
 arrays"). The raylet check failure and the segfault follow from tearing the stuck graph down.
-Separately, the first execution after compiling takes 3-12 s here (the actors' channels being
-set up), close to the 10 s default get timeout: warm up with a long timeout.
+Separately, the first execution after compiling took 3-12 s here, close to the 10 s default
+get timeout. Most of it was Ray importing torch in every graph process
+(ChannelContext.torch_available) to enter a torch device context around each channel read and
+write; only numpy crosses these channels, so the cases tell Ray so, as client.py does
+(--torch-channels: Ray's default). Measured 2026-12-02 (2-core Xeon, load average 10-16,
+interleaved, 300 calls): first execution 6-8 ms against 5.5-9.5 s with torch contexts;
+cgraph-2nodes median 1.41 / 1.57 ms against 1.14 / 1.19 ms, cgraph-loop-2nodes 1.51 / 1.10
+against 1.51 / 1.62 (no steady-state difference above the noise).
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ CASES = (
 )
 
 
-def _case(name: str, calls: int) -> dict[str, Any]:
-    """Run one case in this process; returns {"case", "median_ms", ...}."""
+def _case(name: str, calls: int, torch_channels: bool = False) -> dict[str, Any]:
+    """Run one case in this process; returns {"case", "median_ms", ...}. Compiled-graph
+    processes are told that no torch tensor crosses the channels, as client.py does
+    (_numpy_channels), unless torch_channels."""
     import asyncio
 
     import numpy as np
@@ -83,8 +91,10 @@ def _case(name: str, calls: int) -> dict[str, Any]:
             def __init__(self) -> None:
                 self.loop: Any = None
 
-            async def open(self) -> None:
+            async def open(self, torch_channels: bool = False) -> None:
                 self.loop = asyncio.get_running_loop()
+                if not torch_channels:
+                    _numpy_channels()
 
             def echo(self, x: Any) -> Any:
                 return x
@@ -120,7 +130,9 @@ def _case(name: str, calls: int) -> dict[str, Any]:
             from ray.dag import InputNode, MultiOutputNode
 
             form = name.split("-")[1]  # "1node" / "2nodes" (plain), "loop", "held"
-            ray.get([a.open.remote() for a in actors])
+            ray.get([a.open.remote(torch_channels) for a in actors])
+            if not torch_channels:
+                _numpy_channels()
             method = "loop_echo" if form == "loop" else "echo"
             with InputNode() as inp:
                 dag = MultiOutputNode(
@@ -171,6 +183,8 @@ def _case(name: str, calls: int) -> dict[str, Any]:
             "median_ms": 1000 * float(np.median(times)),
             "p90_ms": 1000 * float(np.percentile(times, 90)),
             "calls": calls,
+            "torch_channels": torch_channels,
+            "load": os.getloadavg()[0],
             **extra,
         }
     finally:
@@ -178,17 +192,30 @@ def _case(name: str, calls: int) -> dict[str, Any]:
         cluster.shutdown()
 
 
+def _numpy_channels() -> None:
+    from colibri.cluster.client import _numpy_channels as tell
+
+    tell()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200, help="timed round trips a case")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds a case may take")
     p.add_argument("--case", choices=CASES, help="run one case in this process")
+    p.add_argument("--cases", help="comma-separated cases to run (default: all), in order")
+    p.add_argument(
+        "--torch-channels",
+        action="store_true",
+        help="leave Ray's torch device contexts on around channel reads/writes",
+    )
     a = p.parse_args()
     if a.case:
-        print(json.dumps(_case(a.case, a.calls)), flush=True)
+        print(json.dumps(_case(a.case, a.calls, a.torch_channels)), flush=True)
         return
-    for name in CASES:
+    for name in a.cases.split(",") if a.cases else CASES:
         cmd = [sys.executable, __file__, "--case", name, "--calls", str(a.calls)]
+        cmd += ["--torch-channels"] if a.torch_channels else []
         # its own process group: a case that hangs is ended with its Ray processes
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -39,6 +39,8 @@ GLM5 = dict(moe_layers=75, top_k=8, d_model=6144, record_nbytes=3 * 6144 * 2048 
             experts=75 * 256, dense_touched_nbytes=9 << 30)  # fmt: skip
 GLM5_DISK_GBPS, GLM5_MEMORY_GBPS = 6.0, 200.0
 TRANSPORT = {"cluster": "graph", "cluster-plain": "plain", "cluster-auto": "auto"}
+LEGS = ("calls", "submit", "to_owner", "owner_wake", "owner_busy", "owner_return", "from_owner",
+        "wake")  # fmt: skip
 
 
 def _wire(engine: Any) -> tuple[int, float, float, int]:
@@ -67,6 +69,22 @@ async def _decode(engine: Any, n: int, mode: str = "cluster") -> tuple[list[int]
         delta = tuple(a - b for a, b in zip(_wire(engine), before, strict=True))
         DECODE.setdefault(mode, []).append(delta)  # type: ignore[arg-type]
     return out, dt
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its descendants (the local cluster's
+    raylets, GCS and workers), psutil (a Ray dependency)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _ray_floor(ray: Any, node_id: str, calls: int = 200) -> float:
@@ -105,11 +123,17 @@ def _graph_floor(ray: Any, node_ids: list[str], calls: int = 200) -> float:
     from ray.dag import InputNode, MultiOutputNode
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from colibri.cluster.client import _numpy_channels
+
     @ray.remote(num_cpus=0)
     class Echo:
+        def __init__(self) -> None:
+            _numpy_channels()  # as client.py's owners
+
         def echo(self, x: Any) -> Any:
             return x
 
+    _numpy_channels()
     actors = [
         Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
         for n in node_ids
@@ -120,7 +144,7 @@ def _graph_floor(ray: Any, node_ids: list[str], calls: int = 200) -> float:
     x = np.zeros((1, 2048), dtype=np.float32)
     times = []
     try:
-        ray.get(compiled.execute(*[x] * len(actors)), timeout=180)  # warm-up: 3-12 s here
+        ray.get(compiled.execute(*[x] * len(actors)), timeout=180)  # warm-up
         for _ in range(calls):
             t0 = time.perf_counter()
             ray.get(compiled.execute(*[x] * len(actors)), timeout=60)
@@ -182,6 +206,9 @@ def run(ctx: Context) -> Section:
         remote_cm = open_engine(store, cluster=cluster.address, **opts)
         local = loop.run_until_complete(local_cm.__aenter__())
         remote = loop.run_until_complete(remote_cm.__aenter__())
+        # the rounds of the other engines leave the graph idle: keep it (in use a graph is
+        # torn down after ClusterExperts.graph_idle seconds without an execution)
+        remote.cluster.graph_idle = float("inf")
         try:
             ref, _ = loop.run_until_complete(_decode(local, n))  # warm-up: every record read
             graph = loop.run_until_complete(remote.cluster.wait_graph())
@@ -189,12 +216,21 @@ def run(ctx: Context) -> Section:
             remote.cluster.transport = "plain"
             got_plain, _ = loop.run_until_complete(_decode(remote, n, "cluster-plain"))
             DECODE.clear()
+            remote.cluster.clear_breakdown()
+            cpu = {m: [0.0, 0] for m in TRANSPORT}  # CPU seconds, layer calls by mode
 
             def timed(engine: Any, mode: str = "single"):
                 def f() -> float:
-                    if engine.cluster is not None:
-                        engine.cluster.transport = TRANSPORT[mode]
+                    c = engine.cluster
+                    if c is not None:
+                        if mode == "cluster" and c.graph_state() != "ready":  # auto tore it down
+                            loop.run_until_complete(c.wait_graph())
+                        c.transport = TRANSPORT[mode]
+                        calls, cpu0 = c.layer_calls, _cpu_seconds()
                     _, sec = loop.run_until_complete(_decode(engine, n, mode))
+                    if c is not None:
+                        cpu[mode][0] += _cpu_seconds() - cpu0
+                        cpu[mode][1] += c.layer_calls - calls
                     return 1 / sec
 
                 return f
@@ -207,6 +243,7 @@ def run(ctx: Context) -> Section:
             }
             rounds = interleave(modes, ctx.rounds, ctx.log)
             after = remote.statistics(components=False).cluster
+            legs = remote.cluster.breakdown()
             floor = _ray_floor(ray, after.owners[1].node_id)
             graph_floor = _graph_floor(ray, [o.node_id for o in after.owners])
         finally:
@@ -228,6 +265,9 @@ def run(ctx: Context) -> Section:
             "overhead_ms": over / max(calls, 1),
             # decode steps only (not the prompt's)
             "wire_per_token": wire / max(1, n * len(DECODE.get(mode, []))),
+            # CPU of every process of the cluster (this one, raylets, owners, GCS...) per layer
+            # call of the decode rounds: what the load moves least
+            "cpu_ms_per_layer_call": 1000 * cpu[mode][0] / max(cpu[mode][1], 1),
         }
     f, fp, fa = figures["cluster"], figures["cluster-plain"], figures["cluster-auto"]
     # the headlines: the default transport (auto)
@@ -244,7 +284,8 @@ def run(ctx: Context) -> Section:
     md = "\n\n".join(
         [
             f"Store: `{store.name}` ({layers} MoE layers, batch 1, {n} decode tokens a pass, "
-            f"{ctx.rounds} interleaved rounds, kernel threads {ctx.threads}); the 2 Ray nodes "
+            f"{ctx.rounds} interleaved rounds, kernel threads {ctx.threads}, each owner "
+            f"{after.owners[0].threads}: its node's CPU resource); the 2 Ray nodes "
             f"and the coordinator share this machine's cores. Compiled graph: {graph}.",
             table(
                 [
@@ -254,9 +295,10 @@ def run(ctx: Context) -> Section:
                     "x single time",
                     "round trip ms",
                     "overhead ms",
+                    "CPU ms / layer call",
                 ],
                 [
-                    ("single process", single, 1000 / single if single else None, None, None, None),
+                    ("single process", single, 1000 / single if single else None, *[None] * 4),
                     *(
                         (
                             f"2-node cluster, {label}",
@@ -265,6 +307,7 @@ def run(ctx: Context) -> Section:
                             figures[m]["ratio"],
                             figures[m]["round_trip_ms"],
                             figures[m]["overhead_ms"],
+                            figures[m]["cpu_ms_per_layer_call"],
                         )
                         for m, label in (
                             ("cluster", "compiled graph"),
@@ -289,6 +332,13 @@ def run(ctx: Context) -> Section:
                 ["owner", "node", "records", "calls", "mean ms", "max ms", "busy ms", "errors"],
                 owners,
             ),
+            "Where an owner call's time goes (ClusterExperts.breakdown(): perf_counter stamps "
+            "on both sides, one machine; mean ms per owner call over the timed rounds; the "
+            "graph's submit / wake are its coordinator-side hand-offs per layer call). CPU ms "
+            "/ layer call above: user + system CPU of every process of the cluster, this one "
+            "included, per MoE layer call; a built graph's cross-node channels keep Ray "
+            "threads polling (client.py), which shows there and in the plain rounds too.",
+            table(["transport", *LEGS], [(k, *(v.get(g) for g in LEGS)) for k, v in legs.items()]),
             "GLM-5 on paper (colibri/cluster/plan.py; per-layer call time: the overhead "
             f"measured here, and the 1 ms target; NVMe {GLM5_DISK_GBPS:g} GB/s and "
             f"{GLM5_MEMORY_GBPS:g} GB/s of memory per node, 9 GiB of dense weights touched per "
@@ -316,6 +366,7 @@ def run(ctx: Context) -> Section:
         "plain": fp,
         "auto": fa,
         "wire_nbytes_per_token": per_token,
+        "breakdown": legs,
         "owners": [list(o) for o in owners],
         "glm5": glm,
     }

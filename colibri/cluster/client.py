@@ -1,6 +1,6 @@
 """ClusterExperts: the coordinator's provider of routed-expert outputs computed on Ray actors.
 
-    experts = open_cluster_experts("auto", store, threads=1)
+    experts = open_cluster_experts(store, EngineOptions(cluster="auto", threads=1))
     pipeline.experts = experts        # each MoE layer now awaits experts.ffn(...)
     ...
     await experts.aclose()
@@ -34,7 +34,20 @@ arrays are gone, so the thread copies every result array before the next call (k
 hung the earlier 2-node probes at their second execution, RayChannelTimeoutError, then a raylet
 check failure at teardown); and the first execution after compiling takes 3-17 s on a
 loaded machine (more than RAY_CGRAPH_get_timeout's 10 s), so the graph is compiled and warmed
-up in the background while plain calls serve.
+up in the background while plain calls serve. Most of that first execution was Ray importing
+torch in every graph process (ChannelContext.torch_available, py-spy: 55-80% of an owner's
+samples meanwhile, GIL held while it served plain calls) and then entering a torch device
+context around every channel read and write; only numpy crosses these channels, so each
+process tells Ray there is no torch (_numpy_channels). The graph's price: each cross-node
+channel keeps a Ray thread polling it with sched_yield (perf: MutableObjectProvider::
+PollWriterClosure -> MutableObjectManager::ReadAcquire), measured at 40-70% of a core in the
+coordinator and 6-14% in each owner while the graph is built, executing or not; on the
+2-core test machine a decode layer call cost 23-35 CPU ms over all the cluster's processes
+with a graph built against 19-20 without. So a graph idle for `graph_idle` seconds
+(GRAPH_IDLE) is torn down, and "auto" tears it down when GRAPH_LOSSES probes in a row find it
+costlier (rebuilt after GRAPH_AFTER resp. GRAPH_RETRY small calls). breakdown() splits an
+owner call into its legs (time.perf_counter() stamps on both sides: send, wake-ups, the
+owner's work, the way back).
 
 Failures: an owner whose actor dies fails the layer's call with a ColibriError naming the owner
 and its node (the request that needed it ends with it); the compiled graph is torn down; Ray
@@ -51,7 +64,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,12 +72,23 @@ from colibri.cluster.owner import ExpertOwner
 from colibri.cluster.placement import place
 from colibri.errors import ColibriError
 
+if TYPE_CHECKING:
+    from colibri.engine import EngineOptions
+
 RESTART_TIMEOUT = 120.0  # seconds an owner may take to come back after failing
 GRAPH_ROWS = 16  # rows an owner's share of a layer may have to go through the compiled graph
 GRAPH_AFTER = 64  # small layer calls (plain) before the graph is built: short runs never pay
 PROBE_EVERY = 32  # small layer calls between two tries of the transport measured slower
 COST_ALPHA = 0.1  # weight of the newest call in each transport's moving mean overhead
 GRAPH_TIMEOUT = 300.0  # seconds one compiled-graph execution may take (cold reads included)
+# a graph's cross-node channels each keep a Ray thread polling with sched_yield (measured: 40-70%
+# of a core in the coordinator and 6-14% in each owner, whether or not the graph executes), so
+# a graph is torn down after GRAPH_IDLE seconds without an execution (built again after
+# GRAPH_AFTER small calls), and "auto" tears it down once GRAPH_LOSSES probes in a row found it
+# costlier than plain calls (built again after GRAPH_RETRY small calls, to measure again)
+GRAPH_IDLE = 5.0
+GRAPH_LOSSES = 4
+GRAPH_RETRY = 4096
 GRAPH_WARMUP_TIMEOUT = 180.0  # seconds the first execution after compiling may take
 
 
@@ -75,7 +99,10 @@ class OwnerStatistics:
     failed, and the times it came back after failing; mean_ms / max_ms / last_ms: call
     round-trip latency seen by the coordinator, milliseconds; busy_ms: mean time inside the
     owner per call (reads and kernels); bytes_sent / bytes_received: array bytes to / from
-    it; hits, misses, bytes_read: its expert cache's counters."""
+    it; hits, misses, bytes_read: its expert cache's counters; prefetch_issued /
+    prefetch_useful_reads / prefetch_wasted_reads: its prefetcher's reads of the predictions
+    that travel with the calls, and those a later call used / never used; threads: its kernel
+    threads (EngineOptions.owner_threads)."""
 
     index: int
     node: str
@@ -94,6 +121,10 @@ class OwnerStatistics:
     hits: int
     misses: int
     bytes_read: int
+    prefetch_issued: int = 0
+    prefetch_useful_reads: int = 0
+    prefetch_wasted_reads: int = 0
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,7 +136,9 @@ class ClusterStatistics:
     the compiled graph (the rest were plain actor calls); graph: its state, "off" (not asked
     for), "waiting" (built after GRAPH_AFTER small calls), "building", "ready", or
     "failed: <why>" (plain calls only). graph_overhead_ms / plain_overhead_ms: the moving
-    mean overhead of the small calls by each transport (what "auto" picks by; 0: none yet)."""
+    mean overhead of the small calls by each transport (what "auto" picks by; 0: none yet).
+    graph_teardowns: healthy graphs torn down, idle for ClusterExperts.graph_idle seconds or
+    measured slower than plain calls by "auto" (see GRAPH_IDLE)."""
 
     layer_calls: int
     round_trip_ms: float
@@ -117,6 +150,7 @@ class ClusterStatistics:
     graph: str = "off"
     graph_overhead_ms: float = 0.0
     plain_overhead_ms: float = 0.0
+    graph_teardowns: int = 0
 
 
 class _Owner:
@@ -126,7 +160,7 @@ class _Owner:
         self.index, self.handle, self.node_id, self.node, self.path = (
             index, handle, node_id, node, path,
         )  # fmt: skip
-        self.pid = 0
+        self.pid = self.threads = 0
         self.records = 0
         self.calls = self.errors = self.restarts = 0
         self.seconds = self.max_seconds = self.last_seconds = self.busy_seconds = 0.0
@@ -142,20 +176,22 @@ def _owner_actor_class() -> Any:
 
     @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
     class ExpertOwnerActor:
-        def __init__(self, path: str, options: dict[str, Any]) -> None:
-            self.owner = ExpertOwner(path, **options)
+        def __init__(self, path: str, options: EngineOptions, pad: int) -> None:
+            self.owner = ExpertOwner(path, options, pad)
             self.loop: asyncio.AbstractEventLoop | None = None
 
         async def open(self) -> dict[str, Any]:
             self.loop = asyncio.get_running_loop()  # the loop ffn_graph hands its work to
+            _numpy_channels()
             return await self.owner.open()
 
         def ffn_graph(self, call: tuple[int, list | None, Any] | None) -> Any:
             """The compiled graph's node (sync: Ray runs it on its _ray_system thread).
             call: None (nothing for this owner this layer), (layer, parts, predicted) as
             ffn, or (layer, None, (next layer, experts)) to prefetch only. Returns None,
-            ffn's (outs, counts), or the str of the error it raised (a value, so the graph
-            itself stays healthy)."""
+            ffn's (outs, stamps, counts) with stamps[0] and [3] taken on this thread, or the
+            str of the error it raised (a value, so the graph itself stays healthy)."""
+            t_in = time.perf_counter()
             if call is None:
                 return None
             if self.loop is None:
@@ -163,15 +199,21 @@ def _owner_actor_class() -> Any:
             layer, parts, predicted = call
             work = self.prefetch(*predicted) if parts is None else self.ffn(layer, parts, predicted)
             try:
-                return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+                answer = asyncio.run_coroutine_threadsafe(work, self.loop).result()
             except Exception as exc:  # the owner's own error, sent back as a value
                 return str(exc) or type(exc).__name__
+            if answer is None:
+                return None
+            outs, stamps, counts = answer
+            return outs, (t_in, stamps[1], stamps[2], time.perf_counter()), counts
 
         async def ffn(self, layer: int, parts: list, predicted: Any) -> Any:
+            """ExpertOwner.ffn's (outs, counts or None) with the stamps (time.perf_counter()
+            on arrival in the actor, start, end, departure) between them."""
             t0 = time.perf_counter()
             outs, counts = await self.owner.ffn(layer, parts, predicted)
-            counts["call_seconds"] = time.perf_counter() - t0
-            return outs, counts
+            t1 = time.perf_counter()
+            return outs, (t0, t0, t1, t1), counts or None
 
         async def prefetch(self, layer: int, experts: list[int]) -> None:
             await self.owner.prefetch(layer, experts)
@@ -196,6 +238,7 @@ class _Graph:
         self.ready = self.busy = False
         self.error: str | None = None
         self.executions = 0
+        self.stamps = (0.0, 0.0)  # the last execution's perf_counter: execute(), results got
         thread.submit(self._compile, handles)
 
     @property
@@ -206,6 +249,7 @@ class _Graph:
         try:
             from ray.dag import InputNode, MultiOutputNode
 
+            _numpy_channels()
             with InputNode() as inp:
                 dag = MultiOutputNode([h.ffn_graph.bind(inp[o]) for o, h in enumerate(handles)])
             self.compiled = dag.experimental_compile(_buffer_size_bytes=self.buffer_nbytes)
@@ -220,25 +264,29 @@ class _Graph:
         of the channel (a zero-copy array still alive blocks the next execution)."""
         import ray
 
+        t_exec = time.perf_counter()
         refs = self.compiled.execute(*calls)
         answers = ray.get(refs, timeout=timeout)
+        t_got = time.perf_counter()
         self.executions += 1
         out = []
         for a in answers:
             if isinstance(a, tuple):
-                outs, counts = a
-                a = ([np.array(x, copy=True) for x in outs], dict(counts))
+                outs, stamps, counts = a
+                a = ([np.array(x, copy=True) for x in outs], stamps, counts)
             out.append(a)
         del answers
+        self.stamps = (t_exec, t_got)
         return out
 
-    async def run(self, calls: list[Any]) -> list[Any]:
-        """Execute once with each owner's call (None: nothing for it); each owner's answer.
-        Raises Ray's errors (an owner died, a timeout): the graph is then unusable."""
+    async def run(self, calls: list[Any], timeout: float = GRAPH_TIMEOUT) -> list[Any]:
+        """Execute once with each owner's call (None: nothing for it); each owner's answer
+        within `timeout` seconds. Raises Ray's errors (an owner died, a timeout): the graph
+        is then unusable."""
         self.busy = True
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.thread, self._execute, calls, GRAPH_TIMEOUT)
+            return await loop.run_in_executor(self.thread, self._execute, calls, timeout)
         finally:
             self.busy = False
 
@@ -277,6 +325,7 @@ class ClusterExperts:
         self.layer_calls = self.graph_calls = 0
         self.round_trip_seconds = self.overhead_seconds = 0.0
         self.restart_timeout = RESTART_TIMEOUT
+        self.graph_timeout = GRAPH_TIMEOUT  # seconds a graph execution may take, then it fails
         self._closed = False
         # the compiled graph (0: plain actor calls only), rebuilt after an owner comes back
         self.graph_buffer_nbytes = graph_buffer_nbytes
@@ -292,8 +341,17 @@ class ClusterExperts:
         # "graph": the graph whenever it is ready; "plain": plain calls only
         self.transport = "auto"
         self._cost: dict[str, float] = {}  # transport: moving mean overhead, seconds
+        self._legs: dict[str, dict[str, float]] = {}  # breakdown(): summed seconds by leg
+        self._graph_calls_at_clear = 0
         self._since_probe = 0
         self._small_calls = 0  # small layer calls gone plain while there was no graph
+        self._build_after = GRAPH_AFTER  # ... before the graph is built (again)
+        self.graph_idle = GRAPH_IDLE  # seconds without an execution before it is torn down
+        self._graph_losses = 0  # probes in a row that found the graph costlier ("auto")
+        self._last_graph_use = 0.0  # time.monotonic() of the watched graph's last execution
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_graph: _Graph | None = None  # the graph the idle timer watches
+        self.graph_teardowns = 0  # graphs torn down for being idle or slower
 
     def _build_graph(self) -> None:
         """Start building the graph (in the background) unless there is one, it is off, or
@@ -311,6 +369,42 @@ class ClusterExperts:
             self._graph_error = self._graph.error
             self._graph.close()
             self._graph = None
+
+    def _retire_graph(self, build_after: int) -> None:
+        """Tear a healthy graph down (idle, or slower than plain calls): its channels' poll
+        threads stop; a new one is built after `build_after` more small calls."""
+        self._drop_graph()
+        self.graph_teardowns += 1
+        self._small_calls, self._build_after, self._graph_losses = 0, build_after, 0
+        self._cost.pop("graph", None)
+
+    def _watch_idle(self) -> None:
+        """Arm the idle check of the ready graph (on the running loop), once per graph."""
+        graph = self._graph
+        if graph is None or self.graph_idle == float("inf"):
+            return
+        if self._idle_timer is not None:
+            if self._idle_graph is graph:
+                return
+            self._idle_timer.cancel()  # it watched a graph gone since
+        self._idle_graph, self._last_graph_use = graph, time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.graph_idle, self._idle_check, graph)
+
+    def _idle_check(self, graph: _Graph) -> None:
+        self._idle_timer = self._idle_graph = None
+        if graph is not self._graph or not graph.ready or self._closed:
+            return
+        if self.graph_idle == float("inf"):
+            return
+        idle = time.monotonic() - self._last_graph_use
+        if idle >= self.graph_idle and not graph.busy:
+            self._retire_graph(GRAPH_AFTER)
+            return
+        self._idle_graph = graph
+        loop = asyncio.get_running_loop()
+        wait = max(self.graph_idle - idle, 0.05)
+        self._idle_timer = loop.call_later(wait, self._idle_check, graph)
 
     async def wait_graph(self, timeout: float = GRAPH_WARMUP_TIMEOUT + 60) -> str:
         """Build the compiled graph now if it is not (GRAPH_AFTER not reached yet) and wait
@@ -377,22 +471,35 @@ class ClusterExperts:
         graph = self._graph
         t0 = time.perf_counter()
         usable = graph is not None and graph.ready and not graph.busy and self._fits(parts, graph)
+        if graph is not None and graph.ready:
+            self._watch_idle()
         via = "graph" if usable and self._pick_graph() else "plain"
         if via == "graph":
+            self._last_graph_use = time.monotonic()
             results: list[Any] = await self._graph_call(graph, layer, parts, guesses)
         else:
+            # every owner's call is sent before the first await (this coroutine's first step):
+            # the coordinator's own work for the layer starts after them (Pipeline)
+            t0 = time.perf_counter()
+            handles = {o: self._owners[o].handle for o in work}
+            refs = {o: h.ffn.remote(layer, parts[o], guesses.get(o)) for o, h in handles.items()}
             for o, guess in guesses.items():
                 if o not in work and not self._owners[o].down:
                     self._owners[o].handle.prefetch.remote(*guess)  # nothing to wait for
-            calls = [self._call(o, layer, parts[o], guesses.get(o)) for o in work]
+            calls = [self._call(o, layer, t0, ref, parts[o]) for o, ref in refs.items()]
             results = await asyncio.gather(*calls, return_exceptions=True)
             error = next((r for r in results if isinstance(r, BaseException)), None)
             if error is not None:
                 raise error
             small = all(sum(len(h) for h, _, _ in ps) <= GRAPH_ROWS for ps in parts.values())
-            if graph is None and self._graph_thread is not None and small:
+            if (
+                graph is None
+                and self._graph_thread is not None
+                and small
+                and self.transport != "plain"
+            ):
                 self._small_calls += 1
-                if self._small_calls >= GRAPH_AFTER:
+                if self._small_calls >= self._build_after:
                     self._build_graph()
         wall = time.perf_counter() - t0
         busy = 0.0
@@ -417,9 +524,16 @@ class ClusterExperts:
         graph, plain = self._cost.get("graph"), self._cost.get("plain")
         if graph is None or plain is None:
             return graph is None  # measure each once
+        if graph <= plain:
+            self._graph_losses = 0
         self._since_probe += 1
         if self._since_probe >= PROBE_EVERY:  # try the slower one again
             self._since_probe = 0
+            if graph > plain:
+                self._graph_losses += 1
+                if self._graph_losses >= GRAPH_LOSSES:  # it stays slower: stop its spinning
+                    self._retire_graph(GRAPH_RETRY)
+                    return False
             return graph > plain
         return graph <= plain
 
@@ -455,7 +569,7 @@ class ClusterExperts:
                 calls.append(None)
         t0 = time.perf_counter()
         try:
-            answers = await graph.run(calls)
+            answers = await graph.run(calls, self.graph_timeout)
         except Exception as exc:
             self._drop_graph()
             owner = await self._dead_owner(exc)
@@ -472,8 +586,11 @@ class ClusterExperts:
                 f"{layer} ({type(exc).__name__}): this request is failed; Ray restarts the "
                 "owner and the next request waits for it"
             ) from None
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         self.graph_calls += 1
+        t_exec, t_got = graph.stamps
+        self._leg("graph", "submit", t_exec - t0)  # the loop's hand-off to the graph thread
+        self._leg("graph", "wake", t1 - t_got)  # the graph thread's back to the loop
         results = []
         for o in parts:
             answer = answers[o]
@@ -481,8 +598,11 @@ class ClusterExperts:
             if isinstance(answer, str):
                 owner.errors += 1
                 raise ColibriError(f"expert owner {o} on node {owner.node}: {answer}")
-            outs, counts = answer
-            results.append((outs, self._account(owner, dt, parts[o], outs, counts)))
+            outs, stamps, counts = answer
+            busy = self._account(
+                "graph", owner, t_exec, t_got, parts[o], outs, stamps, counts, t1 - t0
+            )  # fmt: skip
+            results.append((outs, busy))
         return results
 
     async def _dead_owner(self, exc: BaseException) -> _Owner | None:
@@ -504,14 +624,15 @@ class ClusterExperts:
         return None
 
     async def _call(
-        self, o: int, layer: int, parts: list[tuple[np.ndarray, ...]], guess: Any
+        self, o: int, layer: int, t0: float, ref: Any, parts: list[tuple[np.ndarray, ...]]
     ) -> tuple[list[np.ndarray], float]:
+        """The answer of owner o's plain ffn call `ref` (sent at t0) for MoE layer `layer`:
+        (outs, its busy seconds). Raises ColibriError naming the owner when it failed."""
         import ray
 
         owner = self._owners[o]
-        t0 = time.perf_counter()
         try:
-            outs, counts = await owner.handle.ffn.remote(layer, parts, guess)
+            outs, stamps, counts = await ref
         except _gone(ray) as exc:
             owner.errors += 1
             owner.down = True
@@ -524,29 +645,81 @@ class ClusterExperts:
         except ray.exceptions.RayTaskError as exc:
             owner.errors += 1
             raise ColibriError(f"expert owner {o} on node {owner.node}: {exc.cause}") from None
-        return outs, self._account(owner, time.perf_counter() - t0, parts, outs, counts)
+        busy = self._account(
+            "plain", owner, t0, time.perf_counter(), parts, outs, stamps, counts
+        )  # fmt: skip
+        return outs, busy
 
     def _account(
         self,
+        via: str,
         owner: _Owner,
-        dt: float,
+        t_send: float,
+        t_recv: float,
         parts: list[tuple[np.ndarray, ...]],
         outs: list[np.ndarray],
-        counts: dict[str, Any],
+        stamps: tuple[float, float, float, float],
+        counts: dict[str, Any] | None,
+        round_trip: float | None = None,
     ) -> float:
-        """Count one answered call of `owner` (dt seconds round trip); its own busy time."""
+        """Count one answered call of `owner` (sent at t_send, its answer in at t_recv,
+        time.perf_counter(); stamps: the owner's arrival, start, end, departure; round_trip:
+        the coordinator's wall time for it, default t_recv - t_send). Returns the owner's own
+        busy time, seconds."""
+        dt = t_recv - t_send if round_trip is None else round_trip
         owner.calls += 1
         owner.seconds += dt
         owner.last_seconds = dt
         owner.max_seconds = max(owner.max_seconds, dt)
-        busy = counts.pop("call_seconds", 0.0)
+        arrive, start, end, leave = stamps
+        busy = end - start
         owner.busy_seconds += busy
+        # the legs (one machine: the owner's perf_counter is this process's clock, so
+        # they are meaningful only when the owner runs on the coordinator's host)
+        for key in (via, f"{via}/{owner.index}"):
+            self._leg(key, "to_owner", arrive - t_send, count=True)
+            self._leg(key, "owner_wake", start - arrive)
+            self._leg(key, "owner_busy", busy)
+            self._leg(key, "owner_return", leave - end)
+            self._leg(key, "from_owner", t_recv - leave)
         owner.bytes_sent += sum(a.nbytes for p in parts for a in p)
         owner.bytes_received += sum(a.nbytes for a in outs)
         if counts:
             owner.counts = counts
             owner.pid = counts.get("pid", owner.pid)
         return busy
+
+    def _leg(self, via: str, name: str, seconds: float, count: bool = False) -> None:
+        legs = self._legs.setdefault(via, {"calls": 0})
+        legs[name] = legs.get(name, 0.0) + seconds
+        if count:
+            legs["calls"] += 1
+
+    def clear_breakdown(self) -> None:
+        """Start breakdown()'s sums again."""
+        self._legs.clear()
+        self._graph_calls_at_clear = self.graph_calls
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Where an owner call's time went, by transport ("graph", "plain") and by transport
+        and owner ("graph/0", ...): mean ms per owner call of each leg, with
+        time.perf_counter() stamps taken on both sides (so only meaningful with owners on
+        the coordinator's machine, as bench's local cluster): to_owner (submit to the
+        actor's arrival: serialisation, Ray's channel or RPC, scheduling), owner_wake (the
+        graph's system thread to the actor's event loop), owner_busy (the owner's ffn: reads
+        and kernels), owner_return (back to the system thread), from_owner (its departure to
+        the answer in the coordinator: serialisation, channel, deserialisation); for the
+        graph also submit (the coordinator's loop to its graph thread) and wake (the graph
+        thread back to the loop), per layer call. "calls": owner calls counted."""
+        out = {}
+        for via, legs in self._legs.items():
+            n = max(legs["calls"], 1)
+            layers = max(self.graph_calls - self._graph_calls_at_clear, 1)
+            out[via] = {
+                k: (v if k == "calls" else 1000 * v / (layers if k in ("submit", "wake") else n))
+                for k, v in legs.items()
+            }
+        return out
 
     async def _revive(self) -> None:
         """Wait for every owner that failed to answer again (Ray restarts its actor); an
@@ -579,10 +752,11 @@ class ClusterExperts:
                         f"within {self.restart_timeout:.0f} s after failing"
                     )
                 await asyncio.sleep(0.1)
-            owner.pid = info["pid"]
+            owner.pid, owner.threads = info["pid"], info.get("threads", 0)
             owner.restarts += 1
             owner.down = False
             self._small_calls = 0  # a new graph over the owners as they are now, later
+            self._build_after = GRAPH_AFTER
 
     def counts(self) -> dict[str, Any]:
         """The owners' expert cache counts (ExpertCache.counts() keys) summed, as each owner
@@ -616,6 +790,10 @@ class ClusterExperts:
                 hits=int(o.counts.get("hits", 0)),
                 misses=int(o.counts.get("misses", 0)),
                 bytes_read=int(o.counts.get("bytes_read", 0)),
+                prefetch_issued=int(o.counts.get("prefetch_issued", 0)),
+                prefetch_useful_reads=int(o.counts.get("prefetch_useful_reads", 0)),
+                prefetch_wasted_reads=int(o.counts.get("prefetch_wasted_reads", 0)),
+                threads=o.threads,
             )
             for o in self._owners
         )
@@ -630,6 +808,7 @@ class ClusterExperts:
             graph=self.graph_state(),
             graph_overhead_ms=1000 * self._cost.get("graph", 0.0),
             plain_overhead_ms=1000 * self._cost.get("plain", 0.0),
+            graph_teardowns=self.graph_teardowns,
         )
 
     async def aclose(self) -> None:
@@ -640,6 +819,9 @@ class ClusterExperts:
         self._closed = True
         import ray
 
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = self._idle_graph = None
         if self._graph is not None:
             done = self._graph.close()
             self._graph = None
@@ -655,6 +837,22 @@ class ClusterExperts:
             ray.shutdown()
 
 
+def _numpy_channels() -> None:
+    """Tell this process's compiled-graph channels that no torch tensor crosses them (only
+    numpy arrays and Python values do). Where torch is installed, Ray otherwise imports it
+    in every graph process on the first execution (seconds of CPU with the GIL held, while
+    that owner serves plain calls) and enters a torch device context around each channel
+    read and write of every execution (ray.dag.compiled_dag_node._device_context_manager);
+    without torch installed this is already Ray's path. A private field: if a Ray version
+    lacks it, nothing changes."""
+    with contextlib.suppress(Exception):
+        from ray.experimental.channel.common import ChannelContext
+
+        ctx = ChannelContext.get_current()
+        if hasattr(ctx, "_torch_available"):
+            ctx._torch_available = False
+
+
 def _gone(ray: Any) -> tuple[type[BaseException], ...]:
     """The errors of an owner that died, restarts, or whose node left (no answer to wait for)."""
     return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
@@ -667,39 +865,30 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
 
 def open_cluster_experts(
-    address: str,
     store: Any,
+    options: EngineOptions,
     *,
-    owners_per_node: int = 1,
+    pad: int = 1,
     shard: np.ndarray | None = None,
     node_stores: Sequence[str] | None = None,
     hosts: Sequence[str] | None = None,
     popularity: Mapping[tuple[int, int], float] | None = None,
-    budget: int | None = None,
-    threads: int = 0,
-    activations: str = "q8_k",
-    pad: int = 1,
-    io: str = "auto",
-    policy: str = "lru",
-    verify: bool = True,
-    prefetch: bool = True,
-    queue_depth: int = 32,
-    compiled_graph: bool = True,
 ) -> ClusterExperts:
-    """Connect to the Ray cluster at `address` ("auto": the running one; a "host:port"; or
-    an address already joined by ray.init), start the expert owners and wait until each has
-    opened its store.
+    """Connect to the Ray cluster at options.cluster ("auto": the running one; a
+    "host:port"; or an address already joined by ray.init), start the expert owners and wait
+    until each has opened its store.
 
-    store: the coordinator's Store (its config and record size). Owners: owners_per_node on
-    each alive node, or one per entry of node_stores (each owner's store directory on its
-    node; default: store.path on every node), owner k on the node whose IP is hosts[k] when
-    given, else on the alive nodes in turn (Ray node id order). shard: the shard map
-    (placement.py); default place() by `popularity` over the owners. budget: each owner's
-    expert cache bytes (None: every record of its store that fits in half its node's
-    memory). threads, activations, pad: the owners' kernels (activations and pad must be
-    the coordinator's). io, policy, verify, prefetch, queue_depth: the owners' IO stacks.
-    compiled_graph: send small layer calls (decode) through a Ray Compiled Graph, built in
-    the background (False: plain actor calls only; see the module docstring).
+    store: the coordinator's Store (its config and record size). options: the coordinator's
+    EngineOptions, which the owners share (ExpertOwner: budget is each owner's expert cache
+    bytes, None: every record of its store that fits in half its node's memory; threads and
+    activations its kernels; io, policy, verify, prefetch, queue_depth its IO stack;
+    cluster_graph: send small layer calls, decode's, through a Ray Compiled Graph built in
+    the background, False: plain actor calls only, see the module docstring). pad: the
+    coordinator's Model.pad. Owners: options.owners_per_node on each alive node, or one per
+    entry of node_stores (each owner's store directory on its node; default: store.path on
+    every node), owner k on the node whose IP is hosts[k] when given, else on the alive nodes
+    in turn (Ray node id order). shard: the shard map (placement.py); default place() by
+    `popularity` over the owners.
     Raises ColibriError when Ray is not installed, the cluster cannot be reached, or an
     owner cannot open its store.
     """
@@ -709,6 +898,7 @@ def open_cluster_experts(
         raise ColibriError(
             "--cluster needs Ray: pip install 'colibri[cluster]' (or pip install ray)"
         ) from None
+    address = options.cluster
     ray_owned = not ray.is_initialized()
     if ray_owned:
         try:
@@ -723,11 +913,8 @@ def open_cluster_experts(
                 f"--cluster {address}: cannot join the Ray cluster ({exc})"
             ) from None
     nodes = _alive_nodes()
-    paths = list(node_stores) if node_stores else [str(store.path)] * (len(nodes) * owners_per_node)
-    options = dict(
-        budget=budget, threads=threads, activations=activations, pad=pad, io=io, policy=policy,
-        verify=verify, prefetch=prefetch, queue_depth=queue_depth,
-    )  # fmt: skip
+    per_node = options.owners_per_node
+    paths = list(node_stores) if node_stores else [str(store.path)] * (len(nodes) * per_node)
     actor = _owner_actor_class()
 
     def spawn(path: str, node: dict[str, Any] | None) -> tuple[Any, str, str]:
@@ -738,7 +925,7 @@ def open_cluster_experts(
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
         else:
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        handle = actor.options(scheduling_strategy=strategy).remote(path, options)
+        handle = actor.options(scheduling_strategy=strategy).remote(path, options, pad)
         return handle, node["NodeID"], node["NodeManagerAddress"]
 
     owners = []
@@ -777,9 +964,11 @@ def open_cluster_experts(
             ray.shutdown()
         raise ColibriError(f"--cluster: an expert owner cannot start: {exc.cause}") from None
     for o, info in zip(owners, infos, strict=True):
-        o.pid = info["pid"]
+        o.pid, o.threads = info["pid"], info.get("threads", 0)
     spec = model_spec(store.config)
     # a channel holds GRAPH_ROWS rows in, their top_k outputs back, and the framing
     nbytes = GRAPH_ROWS * (spec.moe.router.top_k + 1) * spec.d_model * 4 + (256 << 10)
-    nbytes = nbytes if compiled_graph else 0
-    return ClusterExperts(owners, shard, prefetch, ray_owned, spawn, graph_buffer_nbytes=nbytes)
+    nbytes = nbytes if options.cluster_graph else 0
+    return ClusterExperts(
+        owners, shard, options.prefetch, ray_owned, spawn, graph_buffer_nbytes=nbytes
+    )

@@ -19,47 +19,55 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from colibri.errors import ColibriError
+
+if TYPE_CHECKING:
+    from colibri.engine import EngineOptions
 
 INLINE_ROWS = 16  # up to this many rows with every record cached are computed on the loop
 COUNTS_EVERY = 0.25  # seconds between two counts() sent back with an ffn answer
 Part = tuple[np.ndarray, np.ndarray, np.ndarray]  # h f32 [m, d], ids int32 [m, k], w f32 [m, k]
 
 
+def _node_cpus() -> int:
+    """The CPU resource of the Ray node this process runs on (0: not under Ray, or none)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 0
+        node = ray.get_runtime_context().get_node_id()
+        for n in ray.nodes():
+            if n.get("NodeID") == node:
+                return int(n.get("Resources", {}).get("CPU", 0))
+    except Exception:  # an older or newer Ray without these: physical cores
+        return 0
+    return 0
+
+
 class ExpertOwner:
     """The experts of one shard of a store, with their own cache, reader and prefetcher.
 
-    path: this node's store directory. budget: expert cache bytes (None: every record of the
-    store's experts file that fits in half the available memory). threads: kernel threads
-    (0: physical cores). activations, pad: as the coordinator's Model (they change the
-    kernels' bytes, so they must match it). io, policy, verify, prefetch, queue_depth: as
-    EngineOptions. Opening happens on the first call (`open()`), on the actor's event loop.
-    Raises StoreError / ColibriError from open() (missing store, budget too small).
+    path: this node's store directory. options: the coordinator's EngineOptions (one
+    definition of them: budget is this owner's expert cache bytes, None: every record of the
+    store's experts file that fits in half the available memory; owner_threads: kernel
+    threads, None: the CPU resource Ray gives this node (local nodes sharing one machine then
+    do not oversubscribe its cores; several owners per node each take all of it), 0 (also
+    outside Ray): its physical cores;
+    activations: must be the coordinator's, it changes the kernels' bytes;
+    io, policy, verify, prefetch, queue_depth: this owner's IO stack; the rest is the
+    coordinator's). pad: the coordinator's Model.pad (likewise). Opening happens on the first
+    call (`open()`), on the actor's event loop. Raises StoreError / ColibriError from open()
+    (missing store, budget too small).
     """
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        budget: int | None = None,
-        threads: int = 0,
-        activations: str = "q8_k",
-        pad: int = 1,
-        io: str = "auto",
-        policy: str = "lru",
-        verify: bool = True,
-        prefetch: bool = True,
-        queue_depth: int = 32,
-    ) -> None:
+    def __init__(self, path: str, options: EngineOptions, pad: int = 1) -> None:
         self.path = path
-        self.options = dict(
-            budget=budget, threads=threads, activations=activations, pad=pad, io=io,
-            policy=policy, verify=verify, prefetch=prefetch, queue_depth=queue_depth,
-        )  # fmt: skip
+        self.options, self.pad = options, pad
         self.model: Any = None
         self.stack: Any = None
         self._opening: asyncio.Future | None = None
@@ -70,10 +78,11 @@ class ExpertOwner:
         self.compute_seconds = 0.0
         self.wait_io_seconds = 0.0
         self.pid = os.getpid()
+        self.threads = 0  # kernel threads, known once opened
 
     async def open(self) -> dict[str, Any]:
         """Open the store and the IO stack (once; later calls wait for the first). Returns
-        {"pid", "host", "budget_nbytes"}."""
+        {"pid", "host", "budget_nbytes", "threads"} (threads: its kernel threads)."""
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
@@ -81,6 +90,7 @@ class ExpertOwner:
             "pid": self.pid,
             "host": os.uname().nodename,
             "budget_nbytes": self.stack.cache.budget_nbytes,
+            "threads": self.threads,
         }
 
     async def _open(self) -> None:
@@ -93,17 +103,18 @@ class ExpertOwner:
         o = self.options
         store = open_store(self.path)
         spec = model_spec(store.config)
+        self.threads = o.owner_threads if o.owner_threads is not None else _node_cpus()
         self.model = Model(
-            store, spec, nthreads=o["threads"], activations=o["activations"], pad=o["pad"],
+            store, spec, nthreads=self.threads, activations=o.activations, pad=self.pad,
             dense=False,
         )  # fmt: skip
         slot = -(-store.layout.record_nbytes // 4096) * 4096
         everything = len(store.records) * slot
-        budget = o["budget"] or min(everything, max(available_memory() // 2, slot))
+        budget = o.budget or min(everything, max(available_memory() // 2, slot))
         budget = max(min(budget, everything), spec.moe.router.top_k * slot)
         self.stack = open_expert_cache(
-            store, budget, io=o["io"], policy=o["policy"], verify=o["verify"],
-            prefetch=o["prefetch"], queue_depth=o["queue_depth"],
+            store, budget, io=o.io, policy=o.policy, verify=o.verify, prefetch=o.prefetch,
+            queue_depth=o.queue_depth,
         )  # fmt: skip
 
     async def ffn(
@@ -210,8 +221,14 @@ class ExpertOwner:
             self.stack.prefetcher.predict(layer, experts)
 
     def counts(self) -> dict[str, Any]:
-        """The cache's counts() plus calls, compute_seconds, wait_io_seconds and pid."""
+        """The cache's counts() plus calls, compute_seconds, wait_io_seconds and pid; with
+        a prefetcher its prefetch_issued, prefetch_useful_reads (reads of predictions a
+        later call used) and prefetch_wasted_reads."""
         c = self.stack.cache.counts() if self.stack is not None else {}
+        if self.stack is not None and self.stack.prefetcher is not None:
+            p = self.stack.prefetcher.statistics()
+            c = {**c, "prefetch_issued": p.issued, "prefetch_useful_reads": p.useful_reads,
+                 "prefetch_wasted_reads": p.wasted_reads}  # fmt: skip
         return {
             **c,
             "calls": self.calls,
