@@ -8,6 +8,8 @@ routing."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,67 @@ def test_expert_ffn_q8_rows_same_alone_or_batched(qt):
                 np.testing.assert_array_equal(_bits(ffn(slice(i, i + 1))), _bits(want[i : i + 1]))
     finally:
         ops.set_isa(ops.best_isa())
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(
+                next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+            )
+    except OSError:
+        return set()
+
+
+_FLAGS = _cpu_flags()
+_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= _FLAGS
+_BUILDS = [("avx2", "avx2" in _FLAGS and "fma" in _FLAGS), ("avx512", _AVX512),
+           ("avx512vnni", _AVX512 and "avx512_vnni" in _FLAGS)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind,qt",
+    [("mxfp4", ops.QType.MXFP4), ("kqg", ops.QType.Q4_K), ("kqg", ops.QType.Q6_K)],
+    ids=["MXFP4", "Q4_K", "Q6_K"],
+)
+def test_every_simd_build_same_bits_as_scalar_twin(kind, qt):
+    """The rows kernels of every build the CPU runs, called directly (ISA dispatch picks one:
+    the AVX-512 build without VNNI never runs on a VNNI machine otherwise): MXFP4 on Q8_0
+    (arch/matmul_mxfp4.inc) and Q4_K / Q6_K on Q8_K (arch/kquants_gemm.inc) give their scalar
+    twin's bits for 1 to 70 x rows, with bias, routing scale, accumulation and a row range
+    starting mid-tile."""
+    import colibri._kernels as kmod
+
+    builds = [b for b, ok in _BUILDS if ok]
+    if not builds:
+        pytest.skip("no AVX2 on this CPU")
+    so = ctypes.CDLL(kmod.__file__)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    names = {"mxfp4": ("clb_kq_mmq_rows_ref", "clb_mxfp4_rows_"),
+             "kqg": ("clb_kqg_rows_ref", "clb_kqg_rows_")}[kind]  # fmt: skip
+    fns = {b: getattr(so, names[1] + b) for b in ["ref", *builds] if b != "ref"}
+    fns["ref"] = getattr(so, names[0])
+    for f in fns.values():
+        f.restype = None
+        f.argtypes = [ctypes.c_int, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, ctypes.c_int]
+    rng = np.random.default_rng(int(qt))
+    rows, cols = 45, 512
+    data, _ = random_weights(rng, qt, rows, cols)
+    data = np.ascontiguousarray(data)
+    rb = data.nbytes // rows
+    for n in (1, 2, 3, 5, 9, 17, 70):
+        x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+        xq = np.ascontiguousarray(ops.quantize_act(x) if kind == "mxfp4" else ops.quantize_q8_k(x))
+        bias = rng.standard_normal(rows).astype(np.float32)
+        scale = rng.uniform(0.1, 2, n).astype(np.float32)
+        y0 = rng.standard_normal((n, rows)).astype(np.float32)
+        got = {}
+        for b, f in fns.items():
+            y = y0.copy()
+            f(int(qt), y.ctypes.data, rows, data.ctypes.data, rb, xq.ctypes.data, xq.shape[-1],
+              cols, n, 3, rows, bias.ctypes.data, scale.ctypes.data, 1)  # fmt: skip
+            got[b] = y
+        assert not np.array_equal(got["ref"][:, 3:], y0[:, 3:])
+        for b in builds:
+            np.testing.assert_array_equal(_bits(got[b]), _bits(got["ref"]), err_msg=f"{b} n={n}")
