@@ -160,10 +160,25 @@ amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, const float *dx
     __m512 a[16]; /* in registers: acc[] is indexed by a variable in the caller */
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
-    const int64_t ns = (nblk + 1) / 2;
+    const int64_t ns = (nblk + 1) / 2, nf = nblk / 2; /* steps; full ones */
     AMX_DP(4, 5, 0, nblk > 1);
     AMX_ST(4, 5, nblk > 1, cbuf);
-    for (int64_t st = 0; st < ns; st++) {
+    int64_t st = 0;
+    for (; st + 2 < nf; st += 2) { /* steps st, st + 1, st + 2 full: no branches */
+        const int64_t b = 2 * st;
+        AMX_DP(6, 7, b + 2, 1);
+        amx_epi(a, cbuf, (const float *)(const void *)(pk + b * AMX_PB), dx + 16 * b);
+        amx_epi(a, cbuf + 256, (const float *)(const void *)(pk + (b + 1) * AMX_PB),
+                dx + 16 * (b + 1));
+        AMX_ST(6, 7, 1, cbuf + 512);
+        AMX_DP(4, 5, b + 4, 1);
+        amx_epi(a, cbuf + 512, (const float *)(const void *)(pk + (b + 2) * AMX_PB),
+                dx + 16 * (b + 2));
+        amx_epi(a, cbuf + 768, (const float *)(const void *)(pk + (b + 3) * AMX_PB),
+                dx + 16 * (b + 3));
+        AMX_ST(4, 5, 1, cbuf);
+    }
+    for (; st < ns; st++) {
         const int64_t b = 2 * st, bn = b + 2;
         const int next = st + 1 < ns, two = bn + 1 < nblk;
         int32_t *cn = cbuf + 512 * ((st + 1) & 1);
