@@ -1,22 +1,26 @@
 /* amx_gemm.c — Q4_0 / Q8_0 weights x Q8_0 activations on AMX tiles (tdpbssd), for batches
  * (prefill); the same bits as clb_mmq_rows_ref and the AVX-512 VNNI path (matmul_q8.inc).
  *
- * Design after ggml's ggml-cpu/amx/mmq.cpp: one tdpbssd per 32-weight block, so that each
- * block's exact int32 sum gets its own scale product in f32 afterwards:
- *   A (tmm0/1) = 16 x rows x 32 int8 of one block, loaded in place from the Q8_0 rows
- *                (stride ldxq, the 2-byte scale skipped);
+ * Design after ggml's ggml-cpu/amx/mmq.cpp: one tdpbssd per 32-weight block (K = 32), so that
+ * each block's exact int32 sum gets its own scale product in f32 afterwards:
+ *   A (tmm0/1) = 16 x rows x 32 int8 of one block, from the x panel repacked once per call
+ *                ([16-row tile][block][16][32], aligned; rows past n zero);
  *   B (tmm2/3) = the block of 16 weight rows in VNNI layout: 8 rows (K groups of 4) x 16
- *                weight rows x 4 int8, repacked once per call per 16-row tile (amx_pack16;
- *                Q4_0 as q - 8, Q8_0 as is);
- *   C (tmm4/5) = 16 x rows x 16 weight rows int32, zeroed per block, stored to an L1 buffer.
- * Two blocks per step (tiles 0/2/4 and 1/3/5) so the tile unit and the vector epilogue
- * overlap. Epilogue per x row r, 16 weight rows in the lanes, in block order:
+ *                weight rows x 4 int8, repacked per call per 16-row tile (amx_pack16; Q4_0 as
+ *                q - 8, Q8_0 as is), in 16-block chunks that stay in L1 when x has <= 32 rows;
+ *   C (tmm4..7) = 16 x rows x 16 weight rows int32, zeroed per block, stored to an L1 buffer.
+ * Two blocks per step, two sets of C tiles, software-pipelined (amx_tile16). Epilogue per x
+ * row r, 16 weight rows in the lanes, in block order:
  *     acc[r] = fma((float)isum_b, d_w,b * d_x,b, acc[r])
  * the scalar twin's sequence (quant.c), then + bias, * scale, + y: a row's value does not
- * depend on the batch, the tile, the thread or whether AMX ran (batch invariance).
+ * depend on the batch, the tile, the chunking, the thread or whether AMX ran (batch
+ * invariance). Below AMX_MIN x rows the call goes to the VNNI kernels (same bits).
  *
  * Tiles need the process's XTILEDATA permission (amx.c); each call loads the tile config and
- * releases the tiles at its end (a thread holding tiles has 8 KiB more state to switch). */
+ * releases the tiles at its end (a thread holding tiles has 8 KiB more state to switch).
+ * Measured on one Sapphire Rapids core: tdpbssd alone 5.1 ns, zero + loads + product + store
+ * 9.2 ns and the epilogue 8 ns per 16 x 16 x 32 tile-block; together ~16 ns in a loop on L1
+ * data (they overlap little), ~20-25 ns in the kernel. */
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
 #include <stdint.h>
