@@ -27,11 +27,12 @@ void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
 static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
 int main(void) {
     const int qts[] = {CLB_QTYPE_Q4_0, CLB_QTYPE_Q8_0};
-    const int64_t rows_l[] = {1, 16, 37}, cols_l[] = {32, 96, 4160}, n_l[] = {12, 16, 29, 130};
+    const int64_t rows_l[] = {1, 16, 37}, cols_l[] = {32, 96, 160, 192, 4160};
+    const int64_t n_l[] = {12, 16, 29, 130};
     int bad = 0, cases = 0;
     for (int q = 0; q < 2; q++)
         for (int ri = 0; ri < 3; ri++)
-            for (int ci = 0; ci < 3; ci++)
+            for (int ci = 0; ci < 5; ci++)
                 for (int ni = 0; ni < 4; ni++) {
                     const int64_t rows = rows_l[ri], cols = cols_l[ci], n = n_l[ni];
                     if (cols > 1000 && n > 29) continue; /* emulation is slow */
