@@ -49,7 +49,21 @@ def _engine_items(engine, prompt, **kw):
 def test_models_and_health(server, oai):
     models = oai.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("other-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert server.health()["status"] == "ok"
+
+
+def test_unknown_paths_and_methods_get_the_api_error_body(server):
+    for method, path, status in [("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405)]:
+        r = httpx.request(method, server.url + path, timeout=30)
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert path in err["message"] and err["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/messages/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic style there
 
 
 def test_chat_streaming_equals_non_streaming_equals_engine(server, oai, engine):

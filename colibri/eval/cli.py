@@ -321,6 +321,10 @@ async def _eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise EvalError("--limit must be at least 1")
     path = Path(args.model) if args.model else run_cmd.DEMO_STORE
+    if args.json is not None:  # where the results go: checked before the eval runs
+        folder = args.json.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise EvalError(f"--json {args.json}: {folder} is not a writable folder")
     # read the inputs before loading any weights: a bad file fails at once
     text, docs, fewshot = None, None, None
     if args.task == "perplexity":

@@ -3,10 +3,11 @@
     app = create_app(Service(engine, "demo", parallel=4, api_key=None))
 
 Routes: GET / (the dashboard, colibri/serve/dashboard.py, with its /static files and
-/v1/experts feeds), GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+/v1/experts feeds), GET /health, GET /metrics, GET /v1/models[/ID], POST /v1/completions,
 POST /v1/chat/completions, POST /v1/messages (Anthropic), POST /v1/batch (JSONL in, JSONL
 out). Every refused request gets a 4xx with an OpenAI-style error body (Anthropic-style on
-/v1/messages); an unexpected failure gets a 500 with the same body and the server goes on.
+/v1/messages), unknown paths and methods too; an unexpected failure gets a 500 with the same
+body and the server goes on.
 The engine is opened and closed by the caller (colibri.serve.cli), not by the app.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
 from colibri.serve import anthropic_api, dashboard, openai_api
 from colibri.serve.errors import APIError, error_body, error_response
@@ -80,6 +82,11 @@ def create_app(
     async def _api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc, request.url.path)
 
+    @app.exception_handler(HTTPException)  # unknown paths, wrong methods: the API's bodies
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return error_response(err, request.url.path)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("error in %s", request.url.path)
@@ -124,10 +131,9 @@ def create_app(
     async def prometheus() -> Response:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def model_card() -> dict[str, Any]:
         eng = service.engine
-        card = {
+        return {
             "id": service.model_id,
             "object": "model",
             "created": service.created,
@@ -135,7 +141,15 @@ def create_app(
             "max_model_len": eng.n_ctx,
             "model_type": eng.spec.model_type,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        service.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
