@@ -38,6 +38,9 @@
 #ifndef AMX_MIN
 #define AMX_MIN 12         /* x rows from which AMX beats the VNNI GEMM (measured: not at 8) */
 #endif
+#ifndef AMX_MIN_Q8
+#define AMX_MIN_Q8 12      /* the same for Q8_0 weights (amx_q8w: no weight repack) */
+#endif
 
 /* palette 1: tiles 0, 1 = A (16 x 32 bytes), 2, 3 = B (8 x 64), 4 .. 7 = C (16 x 64) */
 struct amx_cfg {
@@ -137,12 +140,12 @@ amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
 #define AMX_DP(c0, c1, b, two)                                    \
     do {                                                          \
         _tile_zero(c0);                                           \
-        _tile_loadd(0, xa + (b) * 512, 32);                       \
+        _tile_loadd(0, xa + (b) * as, ast);                       \
         _tile_loadd(2, pk + (b) * AMX_PB + 64, 64);               \
         _tile_dpbssd(c0, 0, 2);                                   \
         if (two) {                                                \
             _tile_zero(c1);                                       \
-            _tile_loadd(1, xa + ((b) + 1) * 512, 32);             \
+            _tile_loadd(1, xa + ((b) + 1) * as, ast);             \
             _tile_loadd(3, pk + ((b) + 1) * AMX_PB + 64, 64);     \
             _tile_dpbssd(c1, 1, 3);                               \
         }                                                         \
@@ -153,16 +156,19 @@ amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
         if (two) _tile_stored(c1, (cb) + 256, 64);                \
     } while (0)
 
-/* acc[r] (16 weight rows in the lanes) continues its chain through nblk blocks of a 16-row x
- * tile xa (packed: [nblk][16 rows][32] int8) against packed weights pk; dx [nblk][16] d_x;
- * cbuf 4 KiB, 64-aligned.
+/* acc[r] (the 16 rows of the packed operand pk in the lanes) continues its chain through nblk
+ * blocks: A tile of block b = 16 rows of 32 int8 at xa + b as, row stride ast; B tile and the
+ * lanes' 16 scales from pk (AMX_PB a block); dx [nblk][16] the A rows' scales; cbuf 4 KiB,
+ * 64-aligned. Two uses: A = a 16-row x tile packed [nblk][16][32] (as 512, ast 32) and pk the
+ * packed weights (C[x row][weight row]); or A = 16 Q8_0 weight rows in place (as 34, ast the
+ * row stride) and pk the packed x tile (C[weight row][x row]).
  * Software-pipelined by steps of 2 blocks, C tiles 4, 5 for even steps and 6, 7 for odd ones:
  * the products of step s + 1 are issued before the epilogue of step s and stored after it, so
  * the tile unit and the vector epilogue overlap (measured 16 ns a tile-block here against
  * 18.5 ns in turn). */
 static inline __attribute__((always_inline)) void
-amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, const float *dx, int64_t nblk,
-           int32_t *cbuf) {
+amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, int64_t as, int64_t ast,
+           const float *dx, int64_t nblk, int32_t *cbuf) {
     __m512 a[16]; /* in registers: acc[] is indexed by a variable in the caller */
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = acc[r];
@@ -231,9 +237,99 @@ static uint8_t *amx_scratch(size_t nbytes) {
     return buf;
 }
 
+/* Q8_0 weights, no repack: the weights are the A operand loaded in place (16 rows x the 32
+ * quants of block b at w + r row_nbytes + 34 b + 2, stride row_nbytes) and the x rows the B
+ * operand, packed once per call per 16-row x tile (amx_pack16 on x: d_x, VNNI K-groups of 4);
+ * C[weight row][x row]. The f32 chain per (weight row, x row) and block order are the twin's
+ * (d_x * d_w == d_w * d_x: IEEE products commute); a 16 x 16 transpose of the accumulators
+ * (once per weight tile and x tile) gives amx_store16 its x row. A last tile of fewer than 16
+ * weight rows is copied, zero-padded, so no load passes row r1. tc 1 for x panels of one x
+ * tile: the weights stream once; more x tiles reuse each 16-row weight tile in L1 chunks of
+ * AMX_WKC blocks (17 KiB). Returns 0 if the scratch cannot grow (then the caller falls back). */
+#ifndef AMX_WKC
+#define AMX_WKC 32
+#endif
+static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
+                   const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
+                   int64_t r1, const float *bias, const float *scale, int accumulate) {
+    const int64_t nblk = cols / QK;
+    const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL, ng = np / 16;
+    const int64_t kc = ng > 1 ? AMX_WKC : nblk;
+    /* xpk [ng nblk AMX_PB] | cbuf [4096] | accs [np] zmm | dwt [nblk 16] f32 | tr [256] f32 |
+     * wpad [16 row_nbytes] */
+    const size_t off_c = (size_t)ng * nblk * AMX_PB, off_acc = off_c + 4096;
+    const size_t off_dw = off_acc + (size_t)np * 64, off_tr = off_dw + (size_t)nblk * 64;
+    const size_t off_wp = off_tr + 1024;
+    uint8_t *s = amx_scratch(off_wp + (size_t)(16 * row_nbytes + 63) / 64 * 64);
+    if (!s) return 0;
+    uint8_t *xpk = s, *wpad = s + off_wp;
+    int32_t *cbuf = (int32_t *)(void *)(s + off_c);
+    __m512 *accs = (__m512 *)(void *)(s + off_acc);
+    float *dwt = (float *)(void *)(s + off_dw), *tr = (float *)(void *)(s + off_tr);
+    const __m512i col = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(16));
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)row_nbytes));
+    struct amx_cfg cfg __attribute__((aligned(64)));
+    amx_config(&cfg);
+    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
+    _tile_loadconfig(&cfg);
+    for (int64_t p0 = 0; p0 < n; p0 += AMX_PANEL) {
+        const int64_t p1 = p0 + AMX_PANEL < n ? p0 + AMX_PANEL : n;
+        for (int64_t i = p0; i < p1; i += 16) {
+            const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+            amx_pack16(CLB_QTYPE_Q8_0, xpk + (i - p0) / 16 * nblk * AMX_PB, xq + i * ldxq, ldxq,
+                       m, nblk);
+        }
+        for (int64_t t = r0; t < r1; t += 16) {
+            const int nr = r1 - t < 16 ? (int)(r1 - t) : 16;
+            const float *bt = bias ? bias + t : NULL;
+            const uint8_t *wt = w + t * row_nbytes;
+            if (nr < 16) {
+                memcpy(wpad, wt, (size_t)(nr * row_nbytes));
+                memset(wpad + nr * row_nbytes, 0, (size_t)((16 - nr) * row_nbytes));
+                wt = wpad;
+            }
+            const __mmask16 live = (__mmask16)((1u << nr) - 1);
+            for (int64_t b = 0; b < nblk; b++) {
+                const __m512i dh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx,
+                                                               wt + b * AMX_XB, 1);
+                _mm512_storeu_ps(dwt + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
+            }
+            __asm__ volatile("" ::: "memory"); /* tileloadd's asm does not name xpk, wpad */
+            for (int64_t k0 = 0; k0 < nblk; k0 += kc) {
+                const int64_t kn = nblk - k0 < kc ? nblk - k0 : kc;
+                for (int64_t i = p0; i < p1; i += 16) {
+                    __m512 *acc = accs + (i - p0);
+                    if (!k0)
+                        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                    amx_tile16(acc, xpk + ((i - p0) / 16 * nblk + k0) * AMX_PB,
+                               wt + k0 * AMX_XB + 2, AMX_XB, row_nbytes, dwt + 16 * k0, kn,
+                               cbuf);
+                    if (k0 + kn < nblk) continue;
+                    /* acc[weight row] has the x rows in its lanes: transpose through tr */
+                    for (int r = 0; r < 16; r++) _mm512_store_ps(tr + 16 * r, acc[r]);
+                    const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+                    for (int j = 0; j < m; j++)
+                        amx_store16(_mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(j)),
+                                                        tr, 4),
+                                    y + (i + j) * ldy + t, nr, bt, scale, i + j, accumulate);
+                }
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+}
+
 void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                       const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                       int64_t r1, const float *bias, const float *scale, int accumulate) {
+    if (qtype == CLB_QTYPE_Q8_0 && n >= AMX_MIN_Q8 &&
+        amx_q8w(y, ldy, w, row_nbytes, xq, ldxq, cols, n, r0, r1, bias, scale, accumulate))
+        return;
     const int64_t nblk = cols / QK;
     const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL;
     /* pk [kc AMX_PB] | cbuf [4096] | accs [np] zmm | dx [np nblk] f32 | xp [np nblk 32] */
@@ -287,7 +383,7 @@ void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
                     __m512 *acc = accs + (i - p0);
                     if (!k0)
                         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-                    amx_tile16(acc, pk, xp + ((i - p0) * nblk + 16 * k0) * 32,
+                    amx_tile16(acc, pk, xp + ((i - p0) * nblk + 16 * k0) * 32, 512, 32,
                                dx + (i - p0) * nblk + 16 * k0, kn, cbuf);
                     if (k0 + kn < nblk) continue;
                     const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
