@@ -243,28 +243,23 @@ static uint8_t *amx_scratch(size_t nbytes) {
  * C[weight row][x row]. The f32 chain per (weight row, x row) and block order are the twin's
  * (d_x * d_w == d_w * d_x: IEEE products commute); a 16 x 16 transpose of the accumulators
  * (once per weight tile and x tile) gives amx_store16 its x row. A last tile of fewer than 16
- * weight rows is copied, zero-padded, so no load passes row r1. tc 1 for x panels of one x
- * tile: the weights stream once; more x tiles reuse each 16-row weight tile in L1 chunks of
- * AMX_WKC blocks (17 KiB). Returns 0 if the scratch cannot grow (then the caller falls back). */
-#ifndef AMX_WKC
-#define AMX_WKC 32
-#endif
+ * weight rows is copied, zero-padded, so no load passes row r1. The x tiles of a panel reuse
+ * each 16-row weight tile from L2 (16 x 34 nblk bytes; chunks of 16 to 64 blocks kept in L1
+ * measured 3-10% slower at 64 and 512 x rows). Returns 0 if the scratch cannot grow (then the
+ * caller falls back). */
 static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                    const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                    int64_t r1, const float *bias, const float *scale, int accumulate) {
     const int64_t nblk = cols / QK;
     const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL, ng = np / 16;
-    const int64_t kc = ng > 1 ? AMX_WKC : nblk;
-    /* xpk [ng nblk AMX_PB] | cbuf [4096] | accs [np] zmm | dwt [nblk 16] f32 | tr [256] f32 |
-     * wpad [16 row_nbytes] */
-    const size_t off_c = (size_t)ng * nblk * AMX_PB, off_acc = off_c + 4096;
-    const size_t off_dw = off_acc + (size_t)np * 64, off_tr = off_dw + (size_t)nblk * 64;
+    /* xpk [ng nblk AMX_PB] | cbuf [4096] | dwt [nblk 16] f32 | tr [256] f32 | wpad [16 rb] */
+    const size_t off_c = (size_t)ng * nblk * AMX_PB, off_dw = off_c + 4096;
+    const size_t off_tr = off_dw + (size_t)nblk * 64;
     const size_t off_wp = off_tr + 1024;
     uint8_t *s = amx_scratch(off_wp + (size_t)(16 * row_nbytes + 63) / 64 * 64);
     if (!s) return 0;
     uint8_t *xpk = s, *wpad = s + off_wp;
     int32_t *cbuf = (int32_t *)(void *)(s + off_c);
-    __m512 *accs = (__m512 *)(void *)(s + off_acc);
     float *dwt = (float *)(void *)(s + off_dw), *tr = (float *)(void *)(s + off_tr);
     const __m512i col = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -299,24 +294,18 @@ static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                 _mm512_storeu_ps(dwt + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
             }
             __asm__ volatile("" ::: "memory"); /* tileloadd's asm does not name xpk, wpad */
-            for (int64_t k0 = 0; k0 < nblk; k0 += kc) {
-                const int64_t kn = nblk - k0 < kc ? nblk - k0 : kc;
-                for (int64_t i = p0; i < p1; i += 16) {
-                    __m512 *acc = accs + (i - p0);
-                    if (!k0)
-                        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-                    amx_tile16(acc, xpk + ((i - p0) / 16 * nblk + k0) * AMX_PB,
-                               wt + k0 * AMX_XB + 2, AMX_XB, row_nbytes, dwt + 16 * k0, kn,
-                               cbuf);
-                    if (k0 + kn < nblk) continue;
-                    /* acc[weight row] has the x rows in its lanes: transpose through tr */
-                    for (int r = 0; r < 16; r++) _mm512_store_ps(tr + 16 * r, acc[r]);
-                    const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
-                    for (int j = 0; j < m; j++)
-                        amx_store16(_mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(j)),
-                                                        tr, 4),
-                                    y + (i + j) * ldy + t, nr, bt, scale, i + j, accumulate);
-                }
+            for (int64_t i = p0; i < p1; i += 16) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                amx_tile16(acc, xpk + (i - p0) / 16 * nblk * AMX_PB, wt + 2, AMX_XB, row_nbytes,
+                           dwt, nblk, cbuf);
+                /* acc[weight row] has the x rows in its lanes: transpose through tr */
+                for (int r = 0; r < 16; r++) _mm512_store_ps(tr + 16 * r, acc[r]);
+                const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+                for (int j = 0; j < m; j++)
+                    amx_store16(
+                        _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(j)), tr, 4),
+                        y + (i + j) * ldy + t, nr, bt, scale, i + j, accumulate);
             }
         }
     }
