@@ -173,7 +173,7 @@ amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
  * 18.5 ns in turn). */
 static inline __attribute__((always_inline)) void
 amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, int64_t as, int64_t ast,
-           const float *dx, int64_t nblk, int32_t *cbuf) {
+           const float *dx, int64_t nblk, int32_t *cbuf, const uint8_t *pf, int64_t pfs) {
     __m512 a[16]; /* in registers: acc[] is indexed by a variable in the caller */
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = acc[r];
@@ -187,6 +187,13 @@ amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, int64_t as, int
         amx_epi(a, cbuf, (const float *)(const void *)(pk + b * AMX_PB), dx + 16 * b);
         amx_epi(a, cbuf + 256, (const float *)(const void *)(pk + (b + 1) * AMX_PB),
                 dx + 16 * (b + 1));
+        if (pf) /* the next 16 Q8_0 weight rows' 4 blocks b .. b + 3, into L2 */
+            for (int r = 0; r < 16; r++) {
+                const char *q = (const char *)pf + r * pfs + b * AMX_XB;
+                _mm_prefetch(q, _MM_HINT_T1);
+                _mm_prefetch(q + 64, _MM_HINT_T1);
+                _mm_prefetch(q + 128, _MM_HINT_T1);
+            }
         AMX_ST(6, 7, 1, cbuf + 512);
         AMX_DP(4, 5, b + 4, 1);
         amx_epi(a, cbuf + 512, (const float *)(const void *)(pk + (b + 2) * AMX_PB),
@@ -314,8 +321,9 @@ static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
             for (int64_t i = p0; i < p1; i += 16) {
                 __m512 acc[16];
                 for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-                amx_tile16(acc, xpk + (i - p0) / 16 * nblk * AMX_PB, wa, as, ast,
-                           dwt, nblk, cbuf);
+                amx_tile16(acc, xpk + (i - p0) / 16 * nblk * AMX_PB, wa, as, ast, dwt, nblk,
+                           cbuf, i == p0 && t + 16 < r1 ? w + (t + 16) * row_nbytes : NULL,
+                           row_nbytes);
                 /* acc[weight row] has the x rows in its lanes: transpose through tr */
                 for (int r = 0; r < 16; r++) _mm512_store_ps(tr + 16 * r, acc[r]);
                 const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
@@ -390,7 +398,7 @@ void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
                     if (!k0)
                         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
                     amx_tile16(acc, pk, xp + ((i - p0) * nblk + 16 * k0) * 32, 512, 32,
-                               dx + (i - p0) * nblk + 16 * k0, kn, cbuf);
+                               dx + (i - p0) * nblk + 16 * k0, kn, cbuf, NULL, 0);
                     if (k0 + kn < nblk) continue;
                     const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
                     for (int r = 0; r < m; r++)
