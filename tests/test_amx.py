@@ -72,7 +72,7 @@ def test_amx_matmul_bit_equal(qt, rows, cols, n):
 @pytest.mark.parametrize(
     "rows,nblk,n",
     [(1, 1, 8), (15, 1, 9), (17, 2, 300), (33, 130, 7), (31, 130, 8), (100, 33, 15),
-     (47, 3, 129), (16, 130, 17), (250, 5, 256), (19, 64, 1)],
+     (47, 3, 129), (16, 130, 17), (250, 5, 256), (19, 64, 1), (21, 7, 4), (9, 40, 5)],
 )  # fmt: skip
 def test_amx_q8w_ragged_bit_equal(rows, nblk, n):
     """Q8_0 weights as the tiles' A operand in place (amx_q8w), x rows as B: weight rows not a
@@ -97,7 +97,7 @@ def test_amx_q8w_ragged_bit_equal(rows, nblk, n):
 @needs_amx
 def test_amx_q8w_row_alone_equals_row_in_batch():
     """Q8_0 weights: each of 300 x rows (three panels of AMX tiles) equals the same row alone
-    (decode, VNNI matvec) and inside a batch of 8 (one ragged AMX x tile)."""
+    (decode, VNNI matvec) and inside batches of 5 and 8 (one ragged AMX x tile)."""
     rng = np.random.default_rng(5)
     rows, cols, n = 37, 32 * 70, 300
     data, _w = random_weights(rng, ops.QType.Q8_0, rows, cols)
@@ -112,11 +112,11 @@ def test_amx_q8w_row_alone_equals_row_in_batch():
                 data, ops.QType.Q8_0, xq[i : i + 1], np.empty((1, rows), np.float32)
             )
             np.testing.assert_array_equal(one[0], batch[i])
-        for i in (0, 125, 292):
+        for i, k in ((0, 8), (125, 8), (292, 8), (14, 5), (295, 5)):
             few = ops.matmul_q8(
-                data, ops.QType.Q8_0, xq[i : i + 8], np.empty((8, rows), np.float32)
+                data, ops.QType.Q8_0, xq[i : i + k], np.empty((k, rows), np.float32)
             )
-            np.testing.assert_array_equal(few, batch[i : i + 8])
+            np.testing.assert_array_equal(few, batch[i : i + k])
     finally:
         ops.set_isa(before)
 
@@ -125,8 +125,8 @@ def test_amx_q8w_row_alone_equals_row_in_batch():
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 5, 8, 16, 37])
 def test_amx_expert_ffn_bit_equal(qt, n):
-    """Bias, routing weight and accumulate through the FFN epilogue; n = 1 and 5 take the
-    VNNI kernels (below the AMX threshold) inside the AMX dispatch: still the same bits."""
+    """Bias, routing weight and accumulate through the FFN epilogue; n = 1 (and 5 for Q4_0) take
+    the VNNI kernels (below the AMX threshold) inside the AMX dispatch: still the same bits."""
     rng = np.random.default_rng(100 + n)
     d_model, d_ff = 96, 160
     g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))
