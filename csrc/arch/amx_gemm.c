@@ -17,9 +17,10 @@
  * invariance). Below AMX_MIN x rows the call goes to the VNNI kernels (same bits).
  * Q8_0 weights from AMX_MIN_Q8 x rows take amx_q8w instead: the operands swap (weights = A,
  * loaded in place with the row stride; x = B, packed once per call), no weight repack; same
- * chain, same bits. Measured on one core (GMAC per CPU second, load ~4-8, best of 3
- * interleaved): 32000 x 4096 at 16 x rows 139 against 114 (repack) and 110 (VNNI), at 12 rows
- * 102 / 84 / 90; at 64 and 512 rows, or 4096 x 4096, equal to the repack path within noise.
+ * chain, same bits. Measured on one core (GMAC per CPU second, load 1-4, best of 3
+ * interleaved; in place / repack / VNNI): 32000 x 4096 at 16 x rows 178 / 114 / 103, at 8 rows
+ * 90 / 71 / 70; 4096 x 4096 at 16 rows 233 / 194 / 123, at 8 rows 123 / 87 / 87; at 64 and
+ * 512 rows equal to the repack path within noise (~270-330, VNNI ~165-190).
  *
  * Tiles need the process's XTILEDATA permission (amx.c); each call loads the tile config and
  * releases the tiles at its end (a thread holding tiles has 8 KiB more state to switch).
