@@ -15,8 +15,9 @@
 
 int clb_amx_supported(void);
 
-/* Q4_0 / Q8_0 weights x Q8_0 activations on AMX (arch/amx_gemm.c): the bits of
- * clb_mmq_rows_ref; small batches and other types go to clb_mmq_rows_avx512vnni. */
+/* Q4_0 / Q8_0 weights x Q8_0 activations on AMX (arch/amx_gemm.c; Q8_0 weights are read in
+ * place, Q4_0 ones repacked): the bits of clb_mmq_rows_ref; small batches and other types go
+ * to clb_mmq_rows_avx512vnni. */
 CLB_DECLARE_MMQ(clb_mmq_rows_amx)
 
 #endif

@@ -1,10 +1,10 @@
-"""The AMX GEMM (csrc/arch/amx_gemm.c: Q4_0 / Q8_0 weights x Q8_0 activations on int8 tiles)
-gives the same bits as the AVX512-VNNI path and the scalar twin (the int32 block sums are
-exact and the f32 chain is the twin's, block by block), on ragged shapes: x rows not a
-multiple of the 16-row tile, weight rows not a multiple of 16, 1 to many blocks, past the
-128-row x panel; through matmul_q8 and the expert FFN (bias, routing weight, accumulate), 1
-and 2 threads. The values are also checked against the numpy reference of
-test_q8_activations. Skipped only where the CPU (or OS) has no usable AMX."""
+"""The AMX GEMM (csrc/arch/amx_gemm.c: Q4_0 / Q8_0 weights x Q8_0 activations on int8 tiles;
+Q8_0 weights loaded in place as the A operand) gives the same bits as the AVX512-VNNI path and
+the scalar twin (the int32 block sums are exact and the f32 chain is the twin's, block by
+block), on ragged shapes: x rows not a multiple of the 16-row tile, weight rows not a multiple
+of 16, 1 to many blocks, past the 128-row x panel; through matmul_q8 and the expert FFN (bias,
+routing weight, accumulate), 1 and 2 threads. The values are also checked against the numpy
+reference of test_q8_activations. Skipped only where the CPU (or OS) has no usable AMX."""
 
 from __future__ import annotations
 
@@ -69,11 +69,64 @@ def test_amx_matmul_bit_equal(qt, rows, cols, n):
 
 
 @needs_amx
+@pytest.mark.parametrize(
+    "rows,nblk,n",
+    [(1, 1, 8), (15, 1, 9), (17, 2, 300), (33, 130, 7), (31, 130, 8), (100, 33, 15),
+     (47, 3, 129), (16, 130, 17), (250, 5, 256), (19, 64, 1), (21, 7, 4), (9, 40, 5)],
+)  # fmt: skip
+def test_amx_q8w_ragged_bit_equal(rows, nblk, n):
+    """Q8_0 weights as the tiles' A operand in place (amx_q8w), x rows as B: weight rows not a
+    multiple of 16 (the zero-padded copy of the last tile), 1 to 130 blocks (the L1 chunks of
+    32 blocks), 1 to 300 x rows (below the threshold, one x tile, several, past the panel)."""
+    rng = np.random.default_rng(rows * 1009 + nblk * 31 + n)
+    cols = 32 * nblk
+    data, _w = random_weights(rng, ops.QType.Q8_0, rows, cols)
+    x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+    xq = ops.quantize_act(x)
+    for t in (1, 2):
+        ref_y, vnni_y, amx_y = _run_levels(
+            lambda t=t: ops.matmul_q8(data, ops.QType.Q8_0, xq,
+                                      np.full((n, rows), np.nan, np.float32), nthreads=t)
+        )  # fmt: skip
+        np.testing.assert_array_equal(vnni_y, ref_y, err_msg=f"VNNI, {t} threads")
+        np.testing.assert_array_equal(amx_y, ref_y, err_msg=f"AMX, {t} threads")
+    want, mag = q8_reference(data, ops.QType.Q8_0, x)
+    assert np.max(np.abs(amx_y - want) / mag) <= MATMUL_TOL
+
+
+@needs_amx
+def test_amx_q8w_row_alone_equals_row_in_batch():
+    """Q8_0 weights: each of 300 x rows (three panels of AMX tiles) equals the same row alone
+    (decode, VNNI matvec) and inside batches of 5 and 8 (one ragged AMX x tile)."""
+    rng = np.random.default_rng(5)
+    rows, cols, n = 37, 32 * 70, 300
+    data, _w = random_weights(rng, ops.QType.Q8_0, rows, cols)
+    xq = ops.quantize_act(rng.standard_normal((n, cols)).astype(np.float32))
+    before = ops.isa()
+    try:
+        ops.set_isa(ops.ISA.AVX512)
+        ops.set_amx(True)
+        batch = ops.matmul_q8(data, ops.QType.Q8_0, xq, np.empty((n, rows), np.float32))
+        for i in (0, 15, 16, 127, 128, 200, 299):
+            one = ops.matmul_q8(
+                data, ops.QType.Q8_0, xq[i : i + 1], np.empty((1, rows), np.float32)
+            )
+            np.testing.assert_array_equal(one[0], batch[i])
+        for i, k in ((0, 8), (125, 8), (292, 8), (14, 5), (295, 5)):
+            few = ops.matmul_q8(
+                data, ops.QType.Q8_0, xq[i : i + k], np.empty((k, rows), np.float32)
+            )
+            np.testing.assert_array_equal(few, batch[i : i + k])
+    finally:
+        ops.set_isa(before)
+
+
+@needs_amx
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("n", [1, 5, 16, 37])
+@pytest.mark.parametrize("n", [1, 5, 8, 16, 37])
 def test_amx_expert_ffn_bit_equal(qt, n):
-    """Bias, routing weight and accumulate through the FFN epilogue; n = 1 and 5 take the
-    VNNI kernels (below the AMX threshold) inside the AMX dispatch: still the same bits."""
+    """Bias, routing weight and accumulate through the FFN epilogue; n = 1 (and 5 for Q4_0) take
+    the VNNI kernels (below the AMX threshold) inside the AMX dispatch: still the same bits."""
     rng = np.random.default_rng(100 + n)
     d_model, d_ff = 96, 160
     g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))

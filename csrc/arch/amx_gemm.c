@@ -15,6 +15,12 @@
  * the scalar twin's sequence (quant.c), then + bias, * scale, + y: a row's value does not
  * depend on the batch, the tile, the chunking, the thread or whether AMX ran (batch
  * invariance). Below AMX_MIN x rows the call goes to the VNNI kernels (same bits).
+ * Q8_0 weights from AMX_MIN_Q8 x rows take amx_q8w instead: the operands swap (weights = A,
+ * loaded in place with the row stride; x = B, packed once per call), no weight repack; same
+ * chain, same bits. Measured on one core (GMAC per CPU second, load 1-4, best of 3
+ * interleaved; in place / repack / VNNI): 32000 x 4096 at 16 x rows 178 / 114 / 103, at 8 rows
+ * 90 / 71 / 70; 4096 x 4096 at 16 rows 233 / 194 / 123, at 8 rows 123 / 87 / 87; at 64 and
+ * 512 rows equal to the repack path within noise (~270-330, VNNI ~165-190).
  *
  * Tiles need the process's XTILEDATA permission (amx.c); each call loads the tile config and
  * releases the tiles at its end (a thread holding tiles has 8 KiB more state to switch).
@@ -37,6 +43,9 @@
 #define AMX_KC 16          /* blocks per packed chunk for <= 32 x rows: 9 KiB, L1-resident */
 #ifndef AMX_MIN
 #define AMX_MIN 12         /* x rows from which AMX beats the VNNI GEMM (measured: not at 8) */
+#endif
+#ifndef AMX_MIN_Q8
+#define AMX_MIN_Q8 5 /* the same for Q8_0 weights (amx_q8w; measured +7% at 4, +23% at 6) */
 #endif
 
 /* palette 1: tiles 0, 1 = A (16 x 32 bytes), 2, 3 = B (8 x 64), 4 .. 7 = C (16 x 64) */
@@ -137,12 +146,12 @@ amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
 #define AMX_DP(c0, c1, b, two)                                    \
     do {                                                          \
         _tile_zero(c0);                                           \
-        _tile_loadd(0, xa + (b) * 512, 32);                       \
+        _tile_loadd(0, xa + (b) * as, ast);                       \
         _tile_loadd(2, pk + (b) * AMX_PB + 64, 64);               \
         _tile_dpbssd(c0, 0, 2);                                   \
         if (two) {                                                \
             _tile_zero(c1);                                       \
-            _tile_loadd(1, xa + ((b) + 1) * 512, 32);             \
+            _tile_loadd(1, xa + ((b) + 1) * as, ast);             \
             _tile_loadd(3, pk + ((b) + 1) * AMX_PB + 64, 64);     \
             _tile_dpbssd(c1, 1, 3);                               \
         }                                                         \
@@ -153,16 +162,19 @@ amx_epi(__m512 acc[16], const int32_t *c, const float *dwp, const float *dx) {
         if (two) _tile_stored(c1, (cb) + 256, 64);                \
     } while (0)
 
-/* acc[r] (16 weight rows in the lanes) continues its chain through nblk blocks of a 16-row x
- * tile xa (packed: [nblk][16 rows][32] int8) against packed weights pk; dx [nblk][16] d_x;
- * cbuf 4 KiB, 64-aligned.
+/* acc[r] (the 16 rows of the packed operand pk in the lanes) continues its chain through nblk
+ * blocks: A tile of block b = 16 rows of 32 int8 at xa + b as, row stride ast; B tile and the
+ * lanes' 16 scales from pk (AMX_PB a block); dx [nblk][16] the A rows' scales; cbuf 4 KiB,
+ * 64-aligned. Two uses: A = a 16-row x tile packed [nblk][16][32] (as 512, ast 32) and pk the
+ * packed weights (C[x row][weight row]); or A = 16 Q8_0 weight rows in place (as 34, ast the
+ * row stride) and pk the packed x tile (C[weight row][x row]).
  * Software-pipelined by steps of 2 blocks, C tiles 4, 5 for even steps and 6, 7 for odd ones:
  * the products of step s + 1 are issued before the epilogue of step s and stored after it, so
  * the tile unit and the vector epilogue overlap (measured 16 ns a tile-block here against
  * 18.5 ns in turn). */
 static inline __attribute__((always_inline)) void
-amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, const float *dx, int64_t nblk,
-           int32_t *cbuf) {
+amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, int64_t as, int64_t ast,
+           const float *dx, int64_t nblk, int32_t *cbuf, const uint8_t *pf, int64_t pfs) {
     __m512 a[16]; /* in registers: acc[] is indexed by a variable in the caller */
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = acc[r];
@@ -176,6 +188,13 @@ amx_tile16(__m512 acc[16], const uint8_t *pk, const uint8_t *xa, const float *dx
         amx_epi(a, cbuf, (const float *)(const void *)(pk + b * AMX_PB), dx + 16 * b);
         amx_epi(a, cbuf + 256, (const float *)(const void *)(pk + (b + 1) * AMX_PB),
                 dx + 16 * (b + 1));
+        if (pf) /* the next 16 Q8_0 weight rows' 4 blocks b .. b + 3, into L2 */
+            for (int r = 0; r < 16; r++) {
+                const char *q = (const char *)pf + r * pfs + b * AMX_XB;
+                _mm_prefetch(q, _MM_HINT_T1);
+                _mm_prefetch(q + 64, _MM_HINT_T1);
+                _mm_prefetch(q + 128, _MM_HINT_T1);
+            }
         AMX_ST(6, 7, 1, cbuf + 512);
         AMX_DP(4, 5, b + 4, 1);
         amx_epi(a, cbuf + 512, (const float *)(const void *)(pk + (b + 2) * AMX_PB),
@@ -231,9 +250,101 @@ static uint8_t *amx_scratch(size_t nbytes) {
     return buf;
 }
 
+/* Q8_0 weights, no repack: the weights are the A operand loaded in place (16 rows x the 32
+ * quants of block b at w + r row_nbytes + 34 b + 2, stride row_nbytes) and the x rows the B
+ * operand, packed once per call per 16-row x tile (amx_pack16 on x: d_x, VNNI K-groups of 4);
+ * C[weight row][x row]. The f32 chain per (weight row, x row) and block order are the twin's
+ * (d_x * d_w == d_w * d_x: IEEE products commute); a 16 x 16 transpose of the accumulators
+ * (once per weight tile and x tile) gives amx_store16 its x row. A last tile of fewer than 16
+ * weight rows is copied, zero-padded, so no load passes row r1. Panels of more than one x
+ * tile reuse the weight tile: its quants are first copied as they are (no transpose) to
+ * [nblk][16][32], so that each A load reads 8 contiguous lines from L2, not 16 strided ones
+ * (in place measured 8% slower at 64 x rows of a 32000 x 4096 head); chunks of 16 to 64 blocks
+ * kept in L1 measured 3-10% slower. Returns 0 if the scratch cannot grow (then the caller
+ * falls back). */
+static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
+                   const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
+                   int64_t r1, const float *bias, const float *scale, int accumulate) {
+    const int64_t nblk = cols / QK;
+    const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL, ng = np / 16;
+    /* xpk [ng nblk AMX_PB] | cbuf [4096] | dwt [nblk 16] f32 | tr [256] f32 | wc [nblk 512] |
+     * wpad [16 rb] */
+    const size_t off_c = (size_t)ng * nblk * AMX_PB, off_dw = off_c + 4096;
+    const size_t off_tr = off_dw + (size_t)nblk * 64;
+    const size_t off_wc = off_tr + 1024, off_wp = off_wc + (ng > 1 ? (size_t)nblk * 512 : 0);
+    uint8_t *s = amx_scratch(off_wp + (size_t)(16 * row_nbytes + 63) / 64 * 64);
+    if (!s) return 0;
+    uint8_t *xpk = s, *wpad = s + off_wp, *wc = s + off_wc;
+    int32_t *cbuf = (int32_t *)(void *)(s + off_c);
+    float *dwt = (float *)(void *)(s + off_dw), *tr = (float *)(void *)(s + off_tr);
+    const __m512i col = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(16));
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)row_nbytes));
+    struct amx_cfg cfg __attribute__((aligned(64)));
+    amx_config(&cfg);
+    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
+    _tile_loadconfig(&cfg);
+    for (int64_t p0 = 0; p0 < n; p0 += AMX_PANEL) {
+        const int64_t p1 = p0 + AMX_PANEL < n ? p0 + AMX_PANEL : n;
+        for (int64_t i = p0; i < p1; i += 16) {
+            const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+            amx_pack16(CLB_QTYPE_Q8_0, xpk + (i - p0) / 16 * nblk * AMX_PB, xq + i * ldxq, ldxq,
+                       m, nblk);
+        }
+        for (int64_t t = r0; t < r1; t += 16) {
+            const int nr = r1 - t < 16 ? (int)(r1 - t) : 16;
+            const float *bt = bias ? bias + t : NULL;
+            const uint8_t *wt = w + t * row_nbytes;
+            if (nr < 16) {
+                memcpy(wpad, wt, (size_t)(nr * row_nbytes));
+                memset(wpad + nr * row_nbytes, 0, (size_t)((16 - nr) * row_nbytes));
+                wt = wpad;
+            }
+            const __mmask16 live = (__mmask16)((1u << nr) - 1);
+            const int copy = p1 - p0 > 16;
+            for (int64_t b = 0; b < nblk; b++) {
+                const __m512i dh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx,
+                                                               wt + b * AMX_XB, 1);
+                _mm512_storeu_ps(dwt + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
+                if (copy)
+                    for (int r = 0; r < 16; r++)
+                        _mm256_store_si256(
+                            (__m256i *)(void *)(wc + b * 512 + r * 32),
+                            _mm256_loadu_si256(
+                                (const __m256i *)(wt + r * row_nbytes + b * AMX_XB + 2)));
+            }
+            const uint8_t *wa = copy ? wc : wt + 2;
+            const int64_t as = copy ? 512 : AMX_XB, ast = copy ? 32 : row_nbytes;
+            __asm__ volatile("" ::: "memory"); /* tileloadd's asm does not name xpk, wc, wpad */
+            for (int64_t i = p0; i < p1; i += 16) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                amx_tile16(acc, xpk + (i - p0) / 16 * nblk * AMX_PB, wa, as, ast, dwt, nblk,
+                           cbuf, i == p0 && t + 16 < r1 ? w + (t + 16) * row_nbytes : NULL,
+                           row_nbytes);
+                /* acc[weight row] has the x rows in its lanes: transpose through tr */
+                for (int r = 0; r < 16; r++) _mm512_store_ps(tr + 16 * r, acc[r]);
+                const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
+                for (int j = 0; j < m; j++)
+                    amx_store16(
+                        _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(j)), tr, 4),
+                        y + (i + j) * ldy + t, nr, bt, scale, i + j, accumulate);
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+}
+
 void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
                       const uint8_t *xq, int64_t ldxq, int64_t cols, int64_t n, int64_t r0,
                       int64_t r1, const float *bias, const float *scale, int accumulate) {
+    if (qtype == CLB_QTYPE_Q8_0 && n >= AMX_MIN_Q8 &&
+        amx_q8w(y, ldy, w, row_nbytes, xq, ldxq, cols, n, r0, r1, bias, scale, accumulate))
+        return;
     const int64_t nblk = cols / QK;
     const int64_t np = n < AMX_PANEL ? (n + 15) / 16 * 16 : AMX_PANEL;
     /* pk [kc AMX_PB] | cbuf [4096] | accs [np] zmm | dx [np nblk] f32 | xp [np nblk 32] */
@@ -287,8 +398,8 @@ void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
                     __m512 *acc = accs + (i - p0);
                     if (!k0)
                         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-                    amx_tile16(acc, pk, xp + ((i - p0) * nblk + 16 * k0) * 32,
-                               dx + (i - p0) * nblk + 16 * k0, kn, cbuf);
+                    amx_tile16(acc, pk, xp + ((i - p0) * nblk + 16 * k0) * 32, 512, 32,
+                               dx + (i - p0) * nblk + 16 * k0, kn, cbuf, NULL, 0);
                     if (k0 + kn < nblk) continue;
                     const int m = p1 - i < 16 ? (int)(p1 - i) : 16;
                     for (int r = 0; r < m; r++)

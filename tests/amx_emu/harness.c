@@ -1,6 +1,6 @@
 /* clb_mmq_rows_amx built on emulated tiles (amx_tiles.h) against the scalar twin
- * clb_mmq_rows_ref, bit for bit: Q4_0 / Q8_0, ragged rows and x rows, 1 to 130 blocks, past
- * the 128-row x panel, bias / scale / accumulate. Below the AMX threshold the kernel hands
+ * clb_mmq_rows_ref, bit for bit: Q4_0 / Q8_0 (Q8_0 weights in place, amx_q8w), ragged rows and
+ * x rows, 1 to 130 blocks, past the 128-row x panel (300 rows: three panels), bias / scale / accumulate. Below the AMX threshold the kernel hands
  * the call to the VNNI path, stood in for here by the scalar twin. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,12 +28,12 @@ static float rnd(void) { return (float)rand() / RAND_MAX * 2 - 1; }
 int main(void) {
     const int qts[] = {CLB_QTYPE_Q4_0, CLB_QTYPE_Q8_0};
     const int64_t rows_l[] = {1, 16, 37}, cols_l[] = {32, 96, 160, 192, 4160};
-    const int64_t n_l[] = {12, 16, 29, 130};
+    const int64_t n_l[] = {5, 8, 12, 16, 29, 130, 300}; /* Q8_0 from 5 (amx_q8w), Q4_0 from 12 */
     int bad = 0, cases = 0;
     for (int q = 0; q < 2; q++)
         for (int ri = 0; ri < 3; ri++)
             for (int ci = 0; ci < 5; ci++)
-                for (int ni = 0; ni < 4; ni++) {
+                for (int ni = 0; ni < 7; ni++) {
                     const int64_t rows = rows_l[ri], cols = cols_l[ci], n = n_l[ni];
                     if (cols > 1000 && n > 29) continue; /* emulation is slow */
                     const int64_t rb = clb_row_nbytes(qts[q], cols);
