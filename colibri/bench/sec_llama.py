@@ -565,7 +565,9 @@ def run(ctx: Context) -> Section:
         peer, peer_names = best_peer(med)
         build = (raw.get("llama.cpp") or [{}])[0].get("build_commit")
         ik_build = next((rs[0].get("build_commit") for n, rs in raw.items()
-                         if n.startswith("ik_llama")), None) or ik_commit(ik_dir)  # fmt: skip
+                         if n.startswith("ik_llama")), None)  # fmt: skip
+        if ik_build in (None, "", "unknown"):  # built from a checkout without .git
+            ik_build = ik_commit(ik_dir)
         fits |= {"best_decode": best_tg, "best_prefill": best_pp, "llama_cpp_commit": build,
                  "ik_llama_cpp_commit": ik_build, "best_peer": peer_names}  # fmt: skip
         heads += [
