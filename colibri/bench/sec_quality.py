@@ -387,6 +387,24 @@ def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) 
     return float(running[-1]) if running else None
 
 
+def _row(label: str, qtype: str, acts: str, r: dict[str, Any]) -> list[str]:
+    """One row of the quality table from a _measure result (the llama-perplexity cell is
+    empty where r has no llama_ppl)."""
+    return [
+        label,
+        qtype,
+        acts,
+        fmt(r["ppl"], 4),
+        fmt(r["kl_mean"], 3),
+        fmt(r["kl_p99"], 3),
+        f"{r['top1']:.3f}",
+        "-" if r["routing"] is None else f"{r['routing']:.3f}",
+        fmt(r["eval_tok_s"], 4),
+        fmt(r["prefill_tok_s"], 4),
+        _llama_cell(r),
+    ]
+
+
 def _llama_cell(r: dict[str, Any]) -> str:
     """llama-perplexity's PPL and colibri's relative difference to it."""
     if "llama_ppl" not in r:
@@ -427,21 +445,7 @@ def run(ctx: Context) -> Section:
                 if qtype == "q4_0" and acts == "q8_0":
                     r["llama_ppl"] = _llama_perplexity(ctx, store, text_file, windows)
                 results[f"{qtype}/{acts}"] = r
-                rows.append(
-                    [
-                        name,
-                        qtype,
-                        acts,
-                        fmt(r["ppl"], 4),
-                        fmt(r["kl_mean"], 3),
-                        fmt(r["kl_p99"], 3),
-                        f"{r['top1']:.3f}",
-                        "-" if r["routing"] is None else f"{r['routing']:.3f}",
-                        fmt(r["eval_tok_s"], 4),
-                        fmt(r["prefill_tok_s"], 4),
-                        _llama_cell(r),
-                    ]
-                )
+                rows.append(_row(name, qtype, acts, r))
         # out of core: an expert cache of a third of the q4_0 store's experts
         from colibri.io.format import open_store
 
@@ -451,40 +455,14 @@ def run(ctx: Context) -> Section:
         r = asyncio.run(_measure(q4_store, ref, text, "q8_0", windows, ctx.threads, budget))
         results["q4_0/q8_0/budget_third"] = r
         rows.append(
-            [
-                f"{name} (1/3 of experts cached: hit rate {r['hit_rate']:.0%})",
-                "q4_0",
-                "q8_0",
-                fmt(r["ppl"], 4),
-                fmt(r["kl_mean"], 3),
-                fmt(r["kl_p99"], 3),
-                f"{r['top1']:.3f}",
-                "-" if r["routing"] is None else f"{r['routing']:.3f}",
-                fmt(r["eval_tok_s"], 4),
-                fmt(r["prefill_tok_s"], 4),
-                "",
-            ]
+            _row(f"{name} (1/3 of experts cached: hit rate {r['hit_rate']:.0%})", "q4_0", "q8_0", r)
         )
         # the store `colibri convert --quant q4_0` writes: dense weights (the head) in q8_0
         q4d = requantize(ref, work / f"{name}-q4_0-dense_q8_0", "q4_0", dense="q8_0")
         ctx.log(f"quality: {name} q4_0, dense q8_0, activations q8_0")
         r = asyncio.run(_measure(q4d, ref, text, "q8_0", windows, ctx.threads))
         results["q4_0/q8_0/dense_q8_0"] = r
-        rows.append(
-            [
-                f"{name} (dense q8_0: convert's default)",
-                "q4_0",
-                "q8_0",
-                fmt(r["ppl"], 4),
-                fmt(r["kl_mean"], 3),
-                fmt(r["kl_p99"], 3),
-                f"{r['top1']:.3f}",
-                "-" if r["routing"] is None else f"{r['routing']:.3f}",
-                fmt(r["eval_tok_s"], 4),
-                fmt(r["prefill_tok_s"], 4),
-                "",
-            ]
-        )
+        rows.append(_row(f"{name} (dense q8_0: convert's default)", "q4_0", "q8_0", r))
         data["models"][name] = results
         q4 = results["q4_0/q8_0"]
         heads.append(

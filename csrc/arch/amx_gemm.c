@@ -55,13 +55,17 @@ struct amx_cfg {
     uint8_t rows[16];
 };
 
-static void amx_config(struct amx_cfg *c) {
-    memset(c, 0, sizeof *c);
-    c->palette = 1;
+/* Load the tile configuration above (this thread's tiles, until _tile_release). */
+static void amx_load_config(void) {
+    struct amx_cfg c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c->colsb[t] = t < 2 ? 32 : 64;
-        c->rows[t] = t == 2 || t == 3 ? 8 : 16;
+        c.colsb[t] = t < 2 ? 32 : 64;
+        c.rows[t] = t == 2 || t == 3 ? 8 : 16;
     }
+    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
+    _tile_loadconfig(&c);
 }
 
 /* 4 x 4 dword transpose inside each 128-bit lane (matmul_q8.inc's mmq_tr4x4). */
@@ -283,10 +287,7 @@ static int amx_q8w(float *y, int64_t ldy, const uint8_t *w, int64_t row_nbytes,
     const __m512i idx = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32((int32_t)row_nbytes));
-    struct amx_cfg cfg __attribute__((aligned(64)));
-    amx_config(&cfg);
-    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     for (int64_t p0 = 0; p0 < n; p0 += AMX_PANEL) {
         const int64_t p1 = p0 + AMX_PANEL < n ? p0 + AMX_PANEL : n;
         for (int64_t i = p0; i < p1; i += 16) {
@@ -367,10 +368,7 @@ void clb_mmq_rows_amx(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_
     int32_t *cbuf = (int32_t *)(void *)(s + off_c);
     float *dx = (float *)(void *)(s + off_dx);
     __m512 *accs = (__m512 *)(void *)(s + off_acc); /* per x row of the panel: its acc */
-    struct amx_cfg cfg __attribute__((aligned(64)));
-    amx_config(&cfg);
-    __asm__ volatile("" ::: "memory"); /* ldtilecfg's asm names only 8 of the 64 bytes */
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     for (int64_t p0 = 0; p0 < n; p0 += AMX_PANEL) {
         const int64_t p1 = p0 + AMX_PANEL < n ? p0 + AMX_PANEL : n;
         const int64_t pe = p0 + (p1 - p0 + 15) / 16 * 16; /* rows [p1, pe) are zero padding */
