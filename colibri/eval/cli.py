@@ -186,10 +186,12 @@ async def eval_choice(
     tok = _tokenizer(engine)
     pairs = []
     for i, r in enumerate(requests):
+        shared: dict[str, list[int]] = {}  # an item's choices mostly share their context
         try:
             pairs.append(
-                [scoring.encode_pair(tok, c, t) for c, t in zip(r.contexts, r.continuations,
-                                                                strict=True)]
+                [scoring.encode_pair(tok, c, t, shared) for c, t in zip(r.contexts,
+                                                                        r.continuations,
+                                                                        strict=True)]
             )  # fmt: skip
         except EvalError as exc:
             raise EvalError(f"{source}:item {i}: {exc}") from None

@@ -102,12 +102,19 @@ def tok_encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=special)
 
 
-def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(
+    tokenizer: Any,
+    context: str,
+    continuation: str,
+    contexts: dict[str, list[int]] | None = None,
+) -> tuple[list[int], list[int]]:
     """lm-eval's request tokenization: trailing spaces of the context move to the
     continuation; context + continuation is tokenized whole and the continuation is the
     tokens after the context's own count. An empty context becomes [BOS] (else [EOS]), as
-    lm-eval's loglikelihood does with prefix_token_id. Returns (context ids, continuation
-    ids); raises EvalError when the continuation has no token."""
+    lm-eval's loglikelihood does with prefix_token_id. contexts: a dict the context's own
+    tokens are kept in and taken from (one tokenization of a context that every choice of an
+    item shares). Returns (context ids, continuation ids); raises EvalError when the
+    continuation has no token."""
     if context == "":
         cont = tokenizer.encode(continuation, add_special_tokens=False)
         # HFLM.prefix_token_id: the tokenizer's BOS token, else its EOS token
@@ -125,7 +132,12 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
         whole = tok_encode(tokenizer, context + continuation)
-        ctx_enc = tok_encode(tokenizer, context)
+        if contexts is None:
+            ctx_enc = tok_encode(tokenizer, context)
+        else:
+            if context not in contexts:
+                contexts[context] = tok_encode(tokenizer, context)
+            ctx_enc = list(contexts[context])
         cont_enc = whole[len(ctx_enc) :]
     if not cont_enc:
         raise EvalError(f"continuation {continuation!r} has no token after its context")
@@ -328,12 +340,18 @@ async def _score_group(
                 froms.append(lf)
                 targets.append(s[n + 1 + lf :])  # logits at pos predict s[pos + 1]
         lps, _ = await _feed_batch(engine, forks, tails, froms, counters, targets)
+        # the requests whose context ends where the shared prefix does take their first
+        # log-probability from the prefix's last row: one log-sum-exp per such item (a row's
+        # log-sum-exp does not depend on the rows beside it), not one per request
+        firsts = sorted({k for k, j in owner if len(items[k][j][0]) == shared[k]})
+        lse = dict(zip(firsts, ops.logsumexp(np.stack([lasts[k] for k in firsts])), strict=True)
+                   if firsts else ())  # fmt: skip
         out: list[list[np.ndarray]] = [[] for _ in items]
         for (k, j), lp in zip(owner, lps, strict=True):
             s, n = seqs[k][j], shared[k]
-            if len(items[k][j][0]) == n:  # the context ends where the shared prefix does
-                head = target_logprobs(lasts[k][None], np.asarray(s[n : n + 1]))
-                lp = np.concatenate([head, lp])
+            if k in lse and len(items[k][j][0]) == n:
+                head = np.float64(lasts[k][s[n]]) - lse[k]
+                lp = np.concatenate([[head], lp])
             out[k].append(lp)
         return out
     finally:
