@@ -21,9 +21,11 @@ eval-speed table measures it beside the f32-head store: it is the store `colibri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import lzma
 import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,29 @@ async def _measure(
     }
 
 
+@contextlib.asynccontextmanager
+async def _timed_lse(seconds: list[float], i: int) -> AsyncIterator[None]:
+    """While inside, seconds[i] += the CPU seconds of every ops.logsumexp call (the scored
+    rows' log-sum-exp; the pipeline and the scoring call it through the module): the
+    bench's own probe, removed on exit."""
+    from colibri.compute import ops
+
+    lse = ops.logsumexp
+
+    def probe(x: np.ndarray, nthreads: int = 0) -> np.ndarray:
+        c = time.process_time()
+        try:
+            return lse(x, nthreads)
+        finally:
+            seconds[i] += time.process_time() - c
+
+    ops.logsumexp = probe
+    try:
+        yield
+    finally:
+        ops.logsumexp = lse
+
+
 SPEED_CTX = 512  # llama-perplexity's default window; prefill prompts of the same length
 HELLASWAG = ROOT.parent / "shared" / "data" / "eval" / "hellaswag_validation.jsonl.xz"
 
@@ -212,7 +237,11 @@ async def eval_speed(
     split mode. Every figure counts the tokens fed to the engine per second of wall time
     (eval's own scoring, tokenization and log-softmax included) and, as NAME_cpu, per CPU
     second of the process; NAME_head is the share of those CPU seconds spent in the output
-    head (Model.logits, timed by a probe the bench installs). Also: bytes_per_token_prefill,
+    head (Model.logits, timed by a probe the bench installs), NAME_lse the share in the
+    log-sum-exp of the scored rows (ops.logsumexp, probed for the run's duration), and
+    NAME_rest_cpu the tokens per CPU second of everything else (the CPU seconds minus head
+    and log-sum-exp: eval's work besides scoring, beside prefill's besides its one head row
+    a chunk). Also: bytes_per_token_prefill,
     bytes_per_token_ppl_MODE and bytes_per_token_hellaswag_MODE (expert bytes read from the
     store per token fed, last round), ppl_MODE_value (the PPL of those 4 windows) and
     hellaswag_acc (on `docs`)."""
@@ -221,7 +250,9 @@ async def eval_speed(
 
     best: dict[str, float] = {}
     clock: list[float] = []
-    head = [0.0, 0.0]  # wall and CPU seconds in the output head (final norm, lm_head)
+    # wall and CPU seconds in the output head (final norm, lm_head), then CPU seconds in the
+    # scored rows' log-sum-exp
+    head = [0.0, 0.0, 0.0]
 
     def timed_head(model: Any) -> None:
         """Count the seconds model.logits takes (the bench's own probe, not the engine's)."""
@@ -239,7 +270,7 @@ async def eval_speed(
 
     def tick() -> None:  # the clock, and the head's seconds from now
         clock[:] = [time.perf_counter(), time.process_time()]
-        head[:] = [0.0, 0.0]
+        head[:] = [0.0, 0.0, 0.0]
 
     def keep(name: str, tokens: int) -> None:
         """tokens per second of wall time, and (name_cpu) per CPU second of this process:
@@ -250,9 +281,12 @@ async def eval_speed(
         if tokens / max(cpu, 1e-9) > best.get(name + "_cpu", 0.0):
             best[name + "_cpu"] = tokens / max(cpu, 1e-9)
             best[name + "_head"] = head[1] / max(cpu, 1e-9)
+            best[name + "_lse"] = head[2] / max(cpu, 1e-9)
+            best[name + "_rest_cpu"] = tokens / max(cpu - head[1] - head[2], 1e-9)
 
     opts = dict(n_ctx=SPEED_CTX, threads=threads, budget=budget)
     async with (
+        _timed_lse(head, 2),
         open_engine(store, batch="split", **opts) as split,
         open_engine(store, batch="fused", **opts) as fused,
     ):
@@ -335,10 +369,12 @@ def _speed_rows(ctx: Context, models: dict[str, Path], work: Path, text: str) ->
                     fmt(r["prefill_cpu"], 4),
                     fmt(r["ppl_fused_cpu"], 4),
                     f"{r['ppl_fused_cpu'] / r['prefill_cpu']:.2f}",
-                    f"{r['ppl_fused_head']:.0%}",
+                    f"{r['ppl_fused_head']:.0%} + {r['ppl_fused_lse']:.0%}",
+                    f"{r['ppl_fused_rest_cpu'] / r['prefill_rest_cpu']:.2f}",
                     fmt(r["hellaswag_fused_cpu"], 4),
                     f"{r['hellaswag_fused_cpu'] / r['prefill_cpu']:.2f}",
-                    f"{r['hellaswag_fused_head']:.0%}",
+                    f"{r['hellaswag_fused_head']:.0%} + {r['hellaswag_fused_lse']:.0%}",
+                    f"{r['hellaswag_fused_rest_cpu'] / r['prefill_rest_cpu']:.2f}",
                     f"{r['hellaswag_acc']:.3f}",
                     f"{r['bytes_per_token_prefill']:.0f} / {r['bytes_per_token_ppl_fused']:.0f}"
                     f" / {r['bytes_per_token_hellaswag_fused']:.0f}",
@@ -539,9 +575,12 @@ def run(ctx: Context) -> Section:
         "choices batched: prefixes once, every choice from a fork of its prefix's KV cache), "
         "in eval's default fused batch mode, and hellaswag in split mode. The columns marked "
         "CPU s divide tokens by the CPU seconds of the process instead of wall seconds: on "
-        "a loaded machine the steadier ratio. Head share: the fraction of eval's CPU seconds "
-        "spent in the output head (final norm and lm_head, on every scored row; prefill runs "
-        "it on one row a prompt): where it is large, eval is bound below prefill by it. "
+        "a loaded machine the steadier ratio. Head + log-sum-exp share: the fractions of "
+        "eval's CPU seconds spent in the output head (final norm and lm_head, on every scored "
+        "row; prefill runs it on one row a chunk) and in the scored rows' log-sum-exp: where "
+        "they are large, eval is bound below prefill by them. Besides the head: the CPU-s "
+        "ratio with both taken out of eval's seconds and the head out of prefill's (eval's "
+        "other work per token against prefill's). "
         "Dense q8_0: the store `colibri convert --quant q4_0` writes by default (embeddings, "
         "attention and output head in q8_0, through the same Q8_0 kernels as `run`); dense "
         "f32: the quality table's store (an f32 head). Bytes read per token: expert bytes "
@@ -561,10 +600,12 @@ def run(ctx: Context) -> Section:
                 "prefill tok/CPU s",
                 "eval PPL tok/CPU s",
                 "PPL / prefill (CPU s)",
-                "head share PPL",
+                "head + log-sum-exp share PPL",
+                "PPL / prefill besides the head (CPU s)",
                 "eval hellaswag tok/CPU s",
                 "hellaswag / prefill (CPU s)",
-                "head share hellaswag",
+                "head + log-sum-exp share hellaswag",
+                "hellaswag / prefill besides the head (CPU s)",
                 "hellaswag acc",
                 "bytes read / token: prefill / eval PPL / hellaswag",
             ],
