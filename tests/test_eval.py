@@ -637,8 +637,12 @@ def test_encode_pair_equals_lm_eval(tiny, hflm):
     tok = Tokenizer.from_dir(hf)
     pairs = [("Question: why?\nAnswer: ", "because"), ("The cat  ", " sat"),
              ("Roof shingle removal: A man", " is on a roof."), ("x", "y z")]  # fmt: skip
-    for ctx, cont in pairs:
-        assert scoring.encode_pair(tok, ctx, cont) == tuple(hflm._encode_pair(ctx, cont))
+    contexts: dict[str, list[int]] = {}  # eval's per-item cache of context tokens
+    for ctx, cont in [*pairs, (pairs[1][0], " ran"), (pairs[1][0], " sat")]:
+        want = tuple(hflm._encode_pair(ctx, cont))
+        assert scoring.encode_pair(tok, ctx, cont) == want
+        assert scoring.encode_pair(tok, ctx, cont, contexts) == want
+    assert len(contexts) == len(pairs)  # one tokenization per distinct context
     # an empty context: lm-eval's loglikelihood puts prefix_token_id (BOS, else EOS) first
     ctx_enc, cont_enc = scoring.encode_pair(tok, "", "hello there")
     assert ctx_enc == [hflm.prefix_token_id]
