@@ -22,6 +22,13 @@ Scenarios:
   than its dense weights, expert budget and KV caches; llama-server --no-repack (its default
   Q4_0 repack copies the weights into anonymous memory and is OOM-killed) in a cgroup of the
   same limit, its GGUF's cached pages dropped first.
+Realistic routing, out of core (OLMoE shape, "OLMoE routing"): random routers spread a
+batch's tokens over nearly every expert, which no trained model does; a second store
+(tools/synth_store.py --routing ROUTING_DOMAIN) has routers calibrated on the engine's own
+hidden states to reproduce OLMoE-1B-7B's real per-layer expert popularity on that text domain
+(shared/data/routing/olmoe_repo_stats; arxiv: the median of the five domains' top-16 share).
+Popularity only: the real token-to-token and cross-request correlation is not modelled. Both
+stores' rows are reported; colibri only (no llama-server row for it).
 Real routing, offline: random weights route almost at random, so the synthetic store cannot
 show what concurrent requests share. The real Mixtral-8x7B per-token trace (shared/data/routing)
 is replayed through colibri.io.replay.simulate (the cache's own policy code, the default
@@ -64,6 +71,7 @@ OOC_MODEL = "olmoe-1b-7b"
 CONCURRENCY = (1, 2, 4, 8)
 PARALLEL = 8  # sequences / slots both servers decode together
 OOC_BUDGETS = (0.25, 0.75)  # expert budgets out of core, fractions of the experts
+ROUTING_DOMAIN = "arxiv"  # the realistic-routing store's OLMoE text domain (module docstring)
 CTX = 512  # context per sequence (llama-server: -c PARALLEL * CTX)
 TIME_CAP = 240.0  # seconds a load test may send requests for
 LIMIT_MARGIN = 448 << 20  # interpreter, FastAPI, buffers: colibri's RSS beyond weights and KV
@@ -370,6 +378,16 @@ def olmoe_scenarios(
                 (f"OLMoE shape, {where}: llama-server",
                  lambda m=limit: LlamaServer(ctx, gguf, "--no-repack", threads=lt, limit=m)),
             ]  # fmt: skip
+        routed = ctx.work / f"{OOC_MODEL}-L{layers}-q4_0-routing-{ROUTING_DOMAIN}"
+        bench_decode.ensure_store(routed, OOC_MODEL, layers, run=ctx.run, routing=ROUTING_DOMAIN)
+        for frac in budgets:
+            scenarios.append((
+                f"OLMoE shape, OLMoE routing ({ROUTING_DOMAIN}), out of core "
+                f"{budget_label(frac)}: colibri",
+                lambda b=int(total * frac), m=limits[frac]: Server(
+                    ctx, routed, *eng, "--budget", str(b), limit=m
+                ),
+            ))  # fmt: skip
         for name, start in scenarios:
             if have_llama or "llama" not in name:
                 rows += _scenario(ctx, name, start, plan, 50304)
