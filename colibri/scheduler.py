@@ -10,16 +10,10 @@ position, the same cuts as when the sequence runs alone: with the pipeline's per
 kernel calls, a request's tokens do not depend on what else runs (batch invariance).
 New requests join between steps, up to `max_running` sequences; the rest wait in FIFO order.
 
-Expert-aware decoding: when the expert cache cannot hold every expert, the decoding batch is
+Expert-aware admission: when the expert cache cannot hold every expert, the batch is also
 kept small enough that its working set fits: the expert records a decode step requests per
 sequence are measured (an average over recent steps, so routing overlap between sequences
-counts), and at most capacity() = slots / that sequences decode in a step (the oldest); the
-others wait, parked with their KV cache. Prefill is not limited that way: sequences are
-admitted up to max_running (none while one is parked), so prompts that arrive together are
-prefilled in the same steps and share their reads (a 32-token chunk of the OLMoE-shaped store
-wants nearly every expert of each layer; with 4 clients at a 1/4 budget, 1 to 2 fewer
-whole-store prefill passes per 8 requests and ~10% fewer bytes read per generated token).
-A parked sequence has had its first token; its next ones wait for a decode place.
+counts), and a new sequence joins only while (running + 1) x that <= the cache's slots.
 Past that, the cache evicts each sequence's experts before its next token needs them
 (measured under LRU: 4 concurrent streams on a 1/4 budget fell from a 90% to an 8% hit rate
 and ran at half the aggregate speed of one stream). No margin beyond the fit: on the
@@ -239,7 +233,6 @@ class Scheduler:
         self._step: asyncio.Task | None = None
         self._step_members: list[Generation] = []
         self._closing = False
-        self.decoding = 0  # sequences that fed a decode token in the last step
         # records a decode step requests per sequence: top-k per MoE layer until measured
         spec = engine.spec
         self.records_per_sequence = float(
@@ -255,13 +248,6 @@ class Scheduler:
             return self.max_running
         fit = int(self._slots / self.records_per_sequence)
         return max(1, min(self.max_running, fit))
-
-    def _admit_limit(self) -> int:
-        """Sequences that may hold a KV cache at once: max_running; while a sequence waits
-        parked (its prompt done, no decode place in capacity()), no new one joins, so parked
-        sequences never outnumber one step's prefill group."""
-        ready = sum(not g.prefilling and not g.done for g in self.running)
-        return len(self.running) if ready > self.capacity() else self.max_running
 
     def submit(self, gen: Generation) -> None:
         """Queue a generation; the scheduler task starts on first use."""
@@ -328,10 +314,7 @@ class Scheduler:
     async def _loop(self) -> None:
         while not self._closing:
             self._drop_finished()
-            # admission up to max_running: a prompt chunk shares its step's reads with the
-            # others' (a 32-token chunk of OLMoE wants ~every expert anyway); decoding is
-            # what the expert cache must fit, so only the oldest capacity() decode (below)
-            while self.waiting and len(self.running) < self._admit_limit():
+            while self.waiting and len(self.running) < self.capacity():
                 gen = self.waiting.popleft()
                 gen.reuse_prefix()
                 self.running.append(gen)
@@ -342,7 +325,6 @@ class Scheduler:
                 continue
             members, fed = [], []
             budget = self.prefill_chunk
-            decoding = self.capacity()
             for gen in self.running:
                 if gen.prefilling:
                     if budget <= 0:
@@ -350,13 +332,9 @@ class Scheduler:
                     tokens = gen.next_tokens(self.prefill_chunk)
                     budget -= len(tokens)
                 else:
-                    if decoding <= 0:  # parked: its expert working set would not fit
-                        continue
-                    decoding -= 1
                     tokens = gen.next_tokens(self.prefill_chunk)
                 members.append(gen)
                 fed.append(tokens)
-            self.decoding = self.capacity() - decoding
             batch = [
                 (np.asarray(t, dtype=np.int64), g.seq.kv) for g, t in zip(members, fed, strict=True)
             ]

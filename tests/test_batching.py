@@ -210,7 +210,7 @@ async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
         async def watch():
             while True:
                 st = eng.statistics(components=False)
-                seen.append((eng.scheduler.decoding, st.running + st.waiting))
+                seen.append((st.running, st.waiting))
                 await asyncio.sleep(0.002)
 
         w = asyncio.ensure_future(watch())
@@ -219,8 +219,7 @@ async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
         )
         w.cancel()
         assert [t[0] for t in together] == solo
-        # one decodes at a time; the others wait (queued, or parked after a shared prefill)
-        assert max(d for d, _ in seen) == 1 and max(n for _, n in seen) >= 2
+        assert max(r for r, _ in seen) == 1 and max(q for _, q in seen) >= 1
     async with open_engine(DEMO, io="threads", max_running=8) as eng:  # every expert fits
         assert eng.scheduler.capacity() == 8
 
