@@ -103,3 +103,7 @@ def test_scenario_interleaves_rounds_and_keeps_the_median_round(monkeypatch):
     assert order == [1, 2, 4, 8, 1, 2, 4, 1, 2, 4]
     assert [(r["clients"], r["tok_s"]) for r in rows] == [(1, 3.0), (2, 4.0), (4, 8.0), (8, 1.0)]
     assert rows[0]["tok_s_rounds"] == [5.0, 1.0, 3.0] and rows[3]["tok_s_rounds"] == [1.0]
+    # paired by round: 2 / 5, 8 / 1, 4 / 3 -> median 4 / 3; 4 clients: 9 / 5, 7 / 1, 8 / 3
+    assert rows[1]["x_one_client"] == pytest.approx(4 / 3)
+    assert rows[2]["x_one_client"] == pytest.approx(8 / 3)
+    assert rows[3]["x_one_client"] == pytest.approx(1 / 5)
