@@ -567,7 +567,12 @@ def synth_store(
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model,
                disable=not show_progress)  # fmt: skip
-    with StoreWriter(out, layout, force=force) as w:
+    # with routing, the store is calibrated under a temporary name and renamed last, so a
+    # store at `out` is always complete (ensure_store relies on that)
+    target = out.parent / f".{out.name}.calibrating" if popularity is not None else out
+    if popularity is not None and out.exists() and not force:
+        raise SystemExit(f"{out} exists (--force replaces it)")
+    with StoreWriter(target, layout, force=True if popularity is not None else force) as w:
         w.begin_dense(plan)
         for name, qtype, shape in plan:
             _, stored = dense_dtype_shape(qtype, shape)
@@ -611,6 +616,9 @@ def synth_store(
     bar.close()
     if popularity is not None:
         recalibrate_routing(path, popularity)
+        if out.exists():
+            shutil.rmtree(out)
+        path = path.rename(out)
     return path
 
 
@@ -636,6 +644,7 @@ def recalibrate_routing(out: Path, popularity: np.ndarray, rounds: int = 2) -> l
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, vocab - 5, 48).tolist() for _ in range(24)]
     errors: dict[int, float] = {}
+    fit: list[float] = []
 
     async def capture() -> dict[int, list[np.ndarray]]:
         hs: dict[int, list[np.ndarray]] = {}
@@ -666,8 +675,10 @@ def recalibrate_routing(out: Path, popularity: np.ndarray, rounds: int = 2) -> l
                 f.seek(8 + hlen + a)
                 f.write(w.tobytes())
             manifest["dense"][name]["xxh3"] = f"{xxhash.xxh3_64_intdigest(w.tobytes()):016x}"
+            fit = [errors[i] for i in sorted(errors)]
+            manifest["source"]["routing"]["calibration_mae"] = fit  # on the engine's states
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return [errors[i] for i in sorted(errors)]
+    return fit
 
 
 def _dequant_q8_0(rows: np.ndarray, cols: int) -> np.ndarray:
