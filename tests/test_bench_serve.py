@@ -65,3 +65,45 @@ def test_budget_label():
     assert [sec_serve.budget_label(f) for f in (0.25, 0.75, 0.5, 1 / 16)] == [
         "1/4", "3/4", "1/2", "1/16",
     ]  # fmt: skip
+
+
+def test_scenario_interleaves_rounds_and_keeps_the_median_round(monkeypatch):
+    """_scenario runs the concurrency levels ctx.rounds times in turn (1, 2, 4, 8, 1, ...),
+    each row being the round of median tok/s with every round's figure; a capped load test
+    stops that level and the higher ones in later rounds."""
+    from types import SimpleNamespace
+
+    order = []
+    speeds = {1: [5.0, 1.0, 3.0], 2: [2.0, 8.0, 4.0], 4: [9.0, 7.0, 8.0], 8: [1.0]}
+
+    def fake_load_test(srv, n, requests, prompt, tokens, vocab):
+        order.append(n)
+        k = sum(1 for m in order if m == n) - 1
+        return {
+            "clients": n,
+            "tok_s": speeds[n][k],
+            "capped": n == 8,
+            "itl_p50_ms": None,
+            "itl_p99_ms": None,
+        }
+
+    class FakeServer:
+        cgroup = None
+
+        def stream(self, prompt, tokens):
+            return 0.0, []
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(sec_serve, "load_test", fake_load_test)
+    ctx = SimpleNamespace(rounds=3, log=lambda msg: None)
+    plan = {"requests": 1, "prompt": 4, "tokens": 2}
+    rows = sec_serve._scenario(ctx, "s", FakeServer, plan, 100)
+    assert order == [1, 2, 4, 8, 1, 2, 4, 1, 2, 4]
+    assert [(r["clients"], r["tok_s"]) for r in rows] == [(1, 3.0), (2, 4.0), (4, 8.0), (8, 1.0)]
+    assert rows[0]["tok_s_rounds"] == [5.0, 1.0, 3.0] and rows[3]["tok_s_rounds"] == [1.0]
+    # paired by round: 2 / 5, 8 / 1, 4 / 3 -> median 4 / 3; 4 clients: 9 / 5, 7 / 1, 8 / 3
+    assert rows[1]["x_one_client"] == pytest.approx(4 / 3)
+    assert rows[2]["x_one_client"] == pytest.approx(8 / 3)
+    assert rows[3]["x_one_client"] == pytest.approx(1 / 5)

@@ -303,3 +303,38 @@ def test_synthetic_store_of_new_types_decodes(tmp_path, quant, dense_quant):
     assert qtype == dense_quant
     w = _dequantize(np.ascontiguousarray(data), qtype, shape)
     assert np.isfinite(w).all() and np.abs(w).max() < 0.5
+
+
+def test_synthetic_routing_reproduces_real_expert_popularity():
+    """tools/synth_store.py --routing: routing_popularity reads OLMoE's real per-expert counts
+    (top-8 shares summing to 8, store layers mapped to the counted layers 0 / 7 / 15 by depth)
+    and calibrate_router's router, on fresh hidden states of the same kind, picks each expert
+    (numpy top-k) at its real share, where the random router it started from does not."""
+    synth = _synth()
+    if not (synth.ROUTING_STATS / "expert_counts" / "arxiv.json.gz").is_file():
+        pytest.skip(f"routing statistics absent: {synth.ROUTING_STATS}")
+    pop = synth.routing_popularity("arxiv", 4)
+    assert pop.shape == (4, 64) and np.allclose(pop.sum(axis=1), 8.0)
+    assert np.array_equal(pop[1], pop[2]) and not np.array_equal(pop[0], pop[3])  # 7, 7 / 0, 15
+    with pytest.raises(SystemExit, match="must be one of"):
+        synth.routing_popularity("nope", 2)
+    rng = np.random.default_rng(3)
+
+    def hidden(n: int) -> np.ndarray:  # block 0 the shared constant, the rest token noise
+        h = rng.standard_normal((n, 2048)).astype(np.float32)
+        h[:, :32] = 2.7 + 0.05 * rng.standard_normal((n, 32))
+        return h
+
+    w0 = (0.02 * rng.standard_normal((64, 2048))).astype(np.float32)
+    w, err = synth.calibrate_router(w0.copy(), hidden(4000), pop[3], 8)
+
+    def shares(w: np.ndarray, h: np.ndarray) -> np.ndarray:
+        top = np.argsort(-(h @ w.T), axis=1, kind="stable")[:, :8]
+        return np.bincount(top.ravel(), minlength=64) / len(h)
+
+    test = hidden(4000)
+    got, before = shares(w, test), shares(w0, test)
+    assert err < 0.01
+    assert np.abs(got - pop[3]).mean() < 0.02, np.abs(got - pop[3]).mean()
+    assert np.abs(before - pop[3]).mean() > 0.05
+    assert got.max() > 0.8 and abs(got.max() - pop[3].max()) < 0.05

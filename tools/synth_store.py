@@ -47,6 +47,11 @@ from colibri.models.spec import dense_tensors as spec_dense_tensors  # noqa: E40
 from colibri.models.spec import f32_tensors  # noqa: E402
 
 TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
+# OLMoE-1B-7B's real per-expert routing counts (top-8 of 64) at layers 0, 7 and 15 over ~209K
+# tokens per text domain (shared/data/SOURCES.md, routing/olmoe_repo_stats)
+ROUTING_STATS = ROOT.parent / "shared" / "data" / "routing" / "olmoe_repo_stats" / "olmoe"
+ROUTING_DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
+ROUTING_LAYERS = (0, 7, 15)  # the layers the counts are of, out of OLMoE's 16
 
 MODELS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": {
@@ -423,6 +428,68 @@ def _float_tensor(
     return (0.02 * rng.standard_normal(shape)).astype(np.float32)
 
 
+def routing_popularity(domain: str, num_layers: int) -> np.ndarray:
+    """f64 [num_layers, 64]: per store layer, the share of tokens routed to each expert (rows
+    sum to top-k = 8) in OLMoE-1B-7B's real routing counts of text domain `domain`, store layer
+    i taking the counted layer (0, 7, 15) nearest its relative depth in OLMoE's 16. Raises
+    SystemExit naming the file when the statistics are absent or the domain unknown."""
+    import gzip
+
+    if domain not in ROUTING_DOMAINS:
+        raise SystemExit(f"--routing {domain}: must be one of {', '.join(ROUTING_DOMAINS)}")
+    path = ROUTING_STATS / "expert_counts" / f"{domain}.json.gz"
+    if not path.is_file():
+        raise SystemExit(f"--routing {domain}: routing statistics {path} not found")
+    with gzip.open(path) as f:
+        counts = json.loads(f.read())  # one {expert id: count} per counted layer
+    shares = []
+    for c in counts:
+        n = np.array([c.get(str(e), 0) for e in range(64)], dtype=np.float64) + 1.0
+        shares.append(8.0 * n / n.sum())
+    out = np.empty((num_layers, 64))
+    for i in range(num_layers):
+        depth = 15.0 * i / max(1, num_layers - 1)
+        out[i] = shares[min(range(3), key=lambda j: abs(ROUTING_LAYERS[j] - depth))]
+    return out
+
+
+# --routing: block 0 of every embedding row is one constant (scale ROUTING_D, all quants 127),
+# a direction every token's hidden state shares; each router's columns over that block then
+# act as per-expert logit offsets, calibrated so top-k picks reproduce the real popularity
+ROUTING_D = 3e-3
+
+
+def routed_embedding_rows(rows: np.ndarray) -> np.ndarray:
+    """uint8 [n, row_nbytes] Q8_0 embedding rows with block 0 set to the shared constant."""
+    rows = rows.copy()
+    rows[:, 0:2] = np.frombuffer(np.float16(ROUTING_D).tobytes(), np.uint8)
+    rows[:, 2:34] = 127
+    return rows
+
+
+def calibrate_router(
+    w: np.ndarray, h: np.ndarray, share: np.ndarray, top_k: int, iters: int = 200
+) -> tuple[np.ndarray, float]:
+    """Set router `w` (f32 [E, d], modified in place) columns 0..31 so that on hidden states
+    `h` (f32 [n, d], block 0 the shared constant) the top-k picks reproduce `share` (f64 [E],
+    the share of tokens routed to each expert). Returns (w, the mean absolute error of the
+    achieved shares, in shares)."""
+    w[:, :32] = 0.0
+    noise = h @ w.T  # [n, E] the logits without block 0's columns
+    c = float(h[:, :32].sum(axis=1).mean())  # h's component along block 0
+    along = (h[:, :32].sum(axis=1) / c)[:, None]  # [n, 1] each token's share of it (~1)
+    target = np.clip(share, 1e-4, 0.999)
+    b = np.log(target)
+    got = target
+    for _ in range(iters):
+        top = np.argpartition(-(noise + along * b), top_k - 1, axis=1)[:, :top_k]
+        got = np.bincount(top.ravel(), minlength=len(share)) / len(h)
+        b += 0.3 * (np.log(target) - np.log(np.maximum(got, 0.5 / len(h))))
+        b -= b.mean()
+    w[:, :32] = (b / c)[:, None]
+    return w, float(np.abs(got - share).mean())
+
+
 def _tokenizer_files(model: str) -> list[tuple[str, bytes]]:
     files = []
     for rel, name in TOKENIZER_SOURCES.get(model, []):
@@ -452,13 +519,26 @@ def synth_store(
     seed: int = 0,
     force: bool = False,
     show_progress: bool = True,
+    routing: str | None = None,
 ) -> Path:
     """Write a random store shaped like `model` (a key of MODELS) to `out`; returns `out`.
-    Raises SystemExit if the disk lacks room (store size + 1 GiB)."""
+    routing: None (random routers: each token's experts nearly uniform) or an OLMoE text
+    domain (ROUTING_DOMAINS, olmoe-1b-7b only): the routers reproduce that domain's real
+    per-layer expert popularity (routing_popularity, calibrate_router). Raises SystemExit if
+    the disk lacks room (store size + 1 GiB) or routing does not apply."""
     if quant not in BLOCK_QTYPES or dense_quant not in BLOCK_QTYPES:
         raise SystemExit(f"quant types must be one of {BLOCK_QTYPES}")
     cfg = model_config(model, layers, scale)
     E, d_ff, moe = expert_shape(cfg)
+    popularity = None
+    if routing is not None:
+        if model != "olmoe-1b-7b" or E != 64 or dense_quant != "q8_0":
+            raise SystemExit("--routing: the statistics are OLMoE-1B-7B's (64 experts, top-8): "
+                             "model olmoe-1b-7b, --scale 1, --dense-quant q8_0 only")  # fmt: skip
+        popularity = routing_popularity(routing, cfg["num_hidden_layers"])
+    floats: dict[str, np.ndarray] = {}
+    h_sample: np.ndarray | None = None  # f32 [n, d] embedding rows (the router input's source)
+    fit: list[float] = []
     layout = ExpertLayout.build(quant, registry.model_spec(cfg).d_model, d_ff)
     f32 = f32_tensors(registry.model_spec(cfg))
     plan = [(n, dense_qtype(n, s, dense_quant, f32), s) for n, s in dense_tensors(cfg)]
@@ -487,7 +567,12 @@ def synth_store(
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model,
                disable=not show_progress)  # fmt: skip
-    with StoreWriter(out, layout, force=force) as w:
+    # with routing, the store is calibrated under a temporary name and renamed last, so a
+    # store at `out` is always complete (ensure_store relies on that)
+    target = out.parent / f".{out.name}.calibrating" if popularity is not None else out
+    if popularity is not None and out.exists() and not force:
+        raise SystemExit(f"{out} exists (--force replaces it)")
+    with StoreWriter(target, layout, force=True if popularity is not None else force) as w:
         w.begin_dense(plan)
         for name, qtype, shape in plan:
             _, stored = dense_dtype_shape(qtype, shape)
@@ -496,9 +581,24 @@ def synth_store(
                 step = max(1, (32 << 20) // rb)
                 src = pool(qtype, shape[-1])
                 for r in range(0, rows, step):
-                    w.write_dense(name, src.take(min(step, rows - r) * rb))
+                    chunk = src.take(min(step, rows - r) * rb)
+                    if popularity is not None and name == "model.embed_tokens.weight":
+                        q = routed_embedding_rows(np.frombuffer(chunk, np.uint8).reshape(-1, rb))
+                        chunk = memoryview(q.reshape(-1))
+                        if h_sample is None:
+                            h_sample = _dequant_q8_0(q[:2048], shape[-1])
+                    w.write_dense(name, chunk)
             else:
-                w.write_dense(name, _float_tensor(name, shape, rng, E))
+                t = _float_tensor(name, shape, rng, E)
+                floats[name] = t
+                layer = name.split(".")[2] if name.startswith("model.layers.") else None
+                if popularity is not None and name.endswith(".mlp.gate.weight"):
+                    assert h_sample is not None  # the embedding comes first
+                    g = floats[f"model.layers.{layer}.post_attention_layernorm.weight"]
+                    h = h_sample / np.sqrt((h_sample**2).mean(axis=1, keepdims=True) + 1e-5) * g
+                    t, err = calibrate_router(t, h, popularity[int(layer)], 8)
+                    fit.append(err)
+                w.write_dense(name, t)
             bar.update(tensor_nbytes(qtype, shape))
         srcs = {k: pool(t.qtype, t.shape[-1]) for k, t in layout.tensors.items()}
         for layer in moe:
@@ -510,9 +610,82 @@ def synth_store(
         for name, data in _tokenizer_files(model):
             w.add_file(name, data)
         source = {"kind": "synthetic", "name": model, "seed": seed, "scale": scale}
+        if routing is not None:
+            source["routing"] = {"olmoe_domain": routing, "calibration_mae": fit}
         path = w.finish(cfg["model_type"], cfg, source)
     bar.close()
+    if popularity is not None:
+        recalibrate_routing(path, popularity)
+        if out.exists():
+            shutil.rmtree(out)
+        path = path.rename(out)
     return path
+
+
+def recalibrate_routing(out: Path, popularity: np.ndarray, rounds: int = 2) -> list[float]:
+    """Calibrate the routers of the store at `out` on the hidden states the engine really
+    feeds them (attention and earlier layers move them off the embedding-only estimate):
+    `rounds` times, layer by layer, prefill 24 random 48-token prompts (every expert in RAM),
+    capture each router's input, re-solve calibrate_router on it and patch the router tensor
+    in place (dense.safetensors and its xxh3 in the manifest). Returns per MoE layer the
+    mean absolute error of the achieved shares on the last capture."""
+    import asyncio
+
+    import xxhash
+
+    from colibri.engine import open_engine
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    dense = out / manifest["dense_file"]
+    with open(dense, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(hlen))
+    vocab = manifest["config"]["vocab_size"]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, vocab - 5, 48).tolist() for _ in range(24)]
+    errors: dict[int, float] = {}
+    fit: list[float] = []
+
+    async def capture() -> dict[int, list[np.ndarray]]:
+        hs: dict[int, list[np.ndarray]] = {}
+        async with open_engine(out, n_ctx=64, threads=0, prefetch=False) as eng:
+            route = eng.model.route
+
+            def spy(i: int, h: np.ndarray, *a: Any, **k: Any) -> Any:
+                hs.setdefault(i, []).append(np.array(h, dtype=np.float32))
+                return route(i, h, *a, **k)
+
+            eng.model.route = spy  # type: ignore[method-assign]
+            for p in prompts:
+                seq = eng.new_sequence()
+                await eng.pipeline.forward(np.asarray(p, dtype=np.int64), seq.kv)
+        return hs
+
+    layers = [int(n.split(".")[2]) for n in header if n.endswith(".mlp.gate.weight")]
+    for _ in range(rounds):
+        for layer in sorted(layers):
+            hs = asyncio.run(capture())
+            h = np.concatenate(hs[layer])
+            name = f"model.layers.{layer}.mlp.gate.weight"
+            a, b = header[name]["data_offsets"]
+            with open(dense, "r+b") as f:
+                f.seek(8 + hlen + a)
+                w = np.frombuffer(f.read(b - a), np.float32).reshape(header[name]["shape"]).copy()
+                w, errors[layer] = calibrate_router(w, h, popularity[layer], 8)
+                f.seek(8 + hlen + a)
+                f.write(w.tobytes())
+            manifest["dense"][name]["xxh3"] = f"{xxhash.xxh3_64_intdigest(w.tobytes()):016x}"
+            fit = [errors[i] for i in sorted(errors)]
+            manifest["source"]["routing"]["calibration_mae"] = fit  # on the engine's states
+            (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return fit
+
+
+def _dequant_q8_0(rows: np.ndarray, cols: int) -> np.ndarray:
+    """f32 [n, cols] of uint8 [n, row_nbytes] Q8_0 rows (34-byte blocks: f16 scale, 32 int8)."""
+    b = rows.reshape(len(rows), cols // 32, 34)
+    d = b[:, :, :2].copy().view(np.float16).astype(np.float32)  # [n, blocks, 1]
+    return (d * b[:, :, 2:].view(np.int8).astype(np.float32)).reshape(len(rows), cols)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -528,6 +701,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="replace an existing OUT")
+    ap.add_argument(
+        "--routing", choices=ROUTING_DOMAINS,
+        help="olmoe-1b-7b: routers reproducing OLMoE's real per-layer expert popularity on "
+        "this text domain (default: random routers)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     scale = (
         args.scale
@@ -537,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     path = synth_store(
         args.model, args.out, quant=args.quant, dense_quant=args.dense_quant,
-        layers=args.layers, scale=scale, seed=args.seed, force=args.force,
+        layers=args.layers, scale=scale, seed=args.seed, force=args.force, routing=args.routing,
     )  # fmt: skip
     size = sum(f.stat().st_size for f in path.iterdir())
     dt = time.perf_counter() - t0

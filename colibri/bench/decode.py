@@ -50,11 +50,18 @@ STORES = Path("/tmp/stores")
 
 
 def synth_command(
-    path: Path, model: str, layers: int | None, quant: str = "q4_0", scale: float | None = None
+    path: Path,
+    model: str,
+    layers: int | None,
+    quant: str = "q4_0",
+    scale: float | None = None,
+    routing: str | None = None,
 ) -> list[str]:
-    """The tools/synth_store.py command that makes `path` (scale: its --scale)."""
+    """The tools/synth_store.py command that makes `path` (scale: its --scale; routing: its
+    --routing, an OLMoE text domain whose real expert popularity the routers reproduce)."""
     cmd = [sys.executable, tool("synth_store.py"), model, str(path), "--quant", quant]
     cmd += ["--scale", str(scale)] if scale else []
+    cmd += ["--routing", routing] if routing else []
     return cmd + (["--layers", str(layers)] if layers else [])
 
 
@@ -65,13 +72,14 @@ def ensure_store(
     quant: str = "q4_0",
     run: Callable[[list[str]], Any] | None = None,
     scale: float | None = None,
+    routing: str | None = None,
 ) -> Path:
     """Make a synthetic store with tools/synth_store.py unless it is already there.
     `run(cmd)` runs the command (default subprocess.run, check=True); the tool writes to a
     temporary directory and renames it, so a store that exists is complete."""
     if (path / "manifest.json").exists():
         return path
-    cmd = synth_command(path, model, layers, quant, scale)
+    cmd = synth_command(path, model, layers, quant, scale, routing)
     if run is None:
         print("making", path, "...", flush=True)
         subprocess.run(cmd, check=True)
