@@ -33,6 +33,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.io.cache import POLICIES
 from colibri.io.format import Store, open_store
+from colibri.io.reader import MAX_QUEUE_DEPTH
 from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
@@ -156,8 +157,8 @@ class EngineOptions:
             raise bad("kv_dtype", "must be f32 or f16")
         if self.activations not in ("f32", "q8_0", "q8_k"):
             raise bad("activations", "must be f32, q8_0 or q8_k")
-        if self.queue_depth < 1:
-            raise bad("queue_depth", "must be >= 1")
+        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise bad("queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}] (io_uring's ring limit)")
         if self.mirror_weights is not None and (
             len(self.mirror_weights) != 1 + len(self.mirrors)
             or not all(w > 0 for w in self.mirror_weights)

@@ -23,6 +23,7 @@ from colibri.options import (
     number,
     parse_size,  # noqa: F401  (cluster/shard.py imports it from here)
     positive_size,
+    queue_depth,
     size_arg,  # noqa: F401  (serve/cli.py imports it from here)
     whole,
 )
@@ -135,7 +136,7 @@ def add_machine_options(g: Any) -> None:
     """--queue-depth and --no-profile (the machine profile written by `colibri tune`)."""
     g.add_argument(
         "--queue-depth",
-        type=whole(1),
+        type=queue_depth,
         default=None,
         help="expert reads in flight at most (default: the profile's, else 32)",
     )
