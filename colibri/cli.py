@@ -3,7 +3,7 @@
 Each subcommand lives in the module that owns the job; that module provides
 `configure_parser(parser)` and `run_cli(args) -> int`. Errors derived from ColibriError (and
 OSError) print as one line and exit 1; `--debug` shows the traceback. SIGTERM and SIGHUP
-stop convert, export-gguf and replay like Ctrl-C: their temporary output is removed.
+stop convert, export-gguf, replay and bench like Ctrl-C: their temporary output is removed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # commands that write a temporary output: SIGTERM / SIGHUP unwind them like Ctrl-C does, so
 # the temporary is removed (the default action would kill the process and leave it behind)
-CLEAN_UP_ON_SIGNAL = ("convert", "export-gguf", "replay")
+CLEAN_UP_ON_SIGNAL = ("convert", "export-gguf", "replay", "bench")
 
 
 class Signalled(BaseException):

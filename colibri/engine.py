@@ -74,7 +74,8 @@ def available_memory() -> int:
 
 def generation_defaults(path: Path) -> dict[str, Any]:
     """Sampling defaults from generation_config.json: greedy unless do_sample is true, then
-    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
+    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent. Raises
+    ColibriError naming the file when a value is out of SamplingParams' range."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -84,7 +85,12 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    out = {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    try:  # checked here, so the message names the file the bad value came from
+        SamplingParams(**out)
+    except ColibriError as exc:
+        raise ColibriError(f"{path / 'generation_config.json'}: {exc}") from None
+    return out
 
 
 def default_budget(store: Store, dense_nbytes: int) -> int:

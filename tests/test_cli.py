@@ -212,8 +212,8 @@ BAD_VALUES = [
         "colibri chat: --budget must be a positive number of bytes (got '-1G')",
     ),
     (
-        ["serve", "--max-body", "-.5M"],
-        "colibri serve: --max-body must be a number of bytes >= 0 (got '-.5M')",
+        ["serve", "--prefix-cache", "-.5M"],
+        "colibri serve: --prefix-cache must be a number of bytes >= 0 (got '-.5M')",
     ),
     (["run", "-n", "0"], "colibri run: -n/--max-tokens must be a whole number >= 1 (got '0')"),
     (
@@ -274,6 +274,26 @@ BAD_VALUES = [
         ["serve", "--frob"],
         "colibri serve: unrecognized arguments: --frob (`colibri serve --help` lists the options)",
     ),
+    (
+        ["serve", "--parallel", "0"],
+        "colibri serve: --parallel must be a whole number >= 1 (got '0')",
+    ),
+    (
+        ["serve", "--max-queue", "-1"],
+        "colibri serve: --max-queue must be a whole number >= 0 (got '-1')",
+    ),
+    (
+        ["serve", "--drain-timeout", "-1"],
+        "colibri serve: --drain-timeout must be a number >= 0 (got '-1')",
+    ),
+    (
+        ["serve", "--max-body", "0"],
+        "colibri serve: --max-body must be a positive number of bytes (got '0')",
+    ),
+    (["tune", "--seconds", "0"], "colibri tune: --seconds must be a number > 0 (got '0')"),
+    (["bench", "--rounds", "0"], "colibri bench: --rounds must be a whole number >= 1 (got '0')"),
+    (["eval", "--limit", "0"], "colibri eval: --limit must be a whole number >= 1 (got '0')"),
+    (["eval", "--shots", "-1"], "colibri eval: --shots must be a whole number >= 0 (got '-1')"),
     (["frob"], "colibri: unknown command 'frob'; commands: " + ", ".join(COMMANDS)),
     (
         ["evl", "--limit", "3"],

@@ -463,12 +463,20 @@ def test_strict_types_roles_and_unknown_fields(server, oai):
         ({"max_token": 5}, "max_token", "unrecognized request argument supplied: max_token"),
         ({"logit_bias": {"5": 100}}, "logit_bias", "logit_bias is not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"messages": [{"role": "user"}]}, "messages.0", "a user message needs content"),
+        # colibri cannot force a tool call (no constrained decoding): said, not ignored
+        ({"tool_choice": "required"}, "tool_choice", "only 'auto' and 'none' are supported"),
+        # was a 500 (TypeError: multiple values for 'messages')
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
     ):
         r = httpx.post(url, json={**base, **extra}, timeout=10)
         assert r.status_code == 400, extra
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, err
         assert message in err["message"], err
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(url, content=deep, timeout=10)  # was a 500 (RecursionError)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "frob": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frob", r.text
     with pytest.raises(openai.BadRequestError, match="unrecognized request argument"):

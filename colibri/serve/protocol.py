@@ -151,6 +151,13 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        # OpenAI: only an assistant message may omit its content (it has tool calls instead)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
@@ -164,6 +171,21 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        # "required" and a named function need constrained decoding, which colibri lacks
+        if v not in (None, "auto", "none"):
+            raise ValueError(f"only 'auto' and 'none' are supported (got {v!r:.60})")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and "messages" in v:  # the template's messages are `messages`
+            raise ValueError("'messages' is the request's own field, not a template variable")
+        return v
 
 
 class AnthropicMessage(_Request):
@@ -208,6 +230,8 @@ def parse(cls: type[_Request], body: Any) -> Any:
             raise APIError(400, str(cause), param=cause.param) from None
         loc = ".".join(str(p) for p in err["loc"])
         where = _where(err["loc"])
+        if isinstance(cause, ValueError):  # our validators' messages say what was given
+            raise APIError(400, f"{where}: {cause}", param=loc) from None
         given = "" if err["type"] == "missing" else f" (got {err.get('input')!r:.60})"
         raise APIError(400, f"{where}: {err['msg']}{given}", param=loc) from None
 
