@@ -406,3 +406,17 @@ def test_a_closed_stdout_ends_quietly(argv, code):
     err = p.stderr.read()
     assert p.wait(timeout=300) == code, err
     assert "Broken pipe" not in err and "Traceback" not in err and "Exception" not in err, err
+
+
+def test_threads_above_the_pool_are_said_once():
+    """--threads above the physical cores runs at most the kernels' pool (one thread per
+    physical core): said on one line, not silently clamped."""
+    from colibri.compute import ops
+
+    cores = ops.default_threads()
+    res = colibri("run", "-n", "2", "--io", "threads", "--threads", str(cores + 62))
+    assert res.returncode == 0, res.stderr
+    line = f"colibri: --threads {cores + 62}: kernels run at most {cores} threads here"
+    assert res.stderr.count(line) == 1, res.stderr
+    res = colibri("run", "-n", "2", "--io", "threads", "--threads", str(cores))
+    assert res.returncode == 0 and "kernels run at most" not in res.stderr, res.stderr

@@ -164,7 +164,7 @@ async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | No
     }
     async with open_engine(path, **options) as engine:
         check_ctx(engine, args)
-        _say_backend(engine, args.io)
+        _say_backend(engine, args.io, args.threads)
         service = Service(
             engine,
             model_id(path, args.name),
