@@ -419,6 +419,16 @@ def test_tools_reach_the_chat_template(tmp_path):
         )  # fmt: skip
         assert a_tools.usage.input_tokens == with_tools.usage.prompt_tokens
         assert a_plain.usage.input_tokens == plain.usage.prompt_tokens
+        a_none = ant.messages.create(
+            model=MODEL, max_tokens=2, messages=msg, tool_choice={"type": "none"},
+            tools=[{"name": "get_weather", "input_schema": params}],
+        )  # fmt: skip
+        assert a_none.usage.input_tokens == plain.usage.prompt_tokens  # was: tools rendered
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            ant.messages.create(
+                model=MODEL, max_tokens=2, messages=msg, tool_choice={"type": "any"},
+                tools=[{"name": "get_weather", "input_schema": params}],
+            )  # fmt: skip
 
 
 def test_a_corrupt_expert_record_ends_the_stream_with_an_error(tmp_path):
