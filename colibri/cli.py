@@ -3,17 +3,19 @@
 Each subcommand lives in the module that owns the job; that module provides
 `configure_parser(parser)` and `run_cli(args) -> int`. Errors derived from ColibriError (and
 OSError) print as one line and exit 1; `--debug` shows the traceback. SIGTERM and SIGHUP
-stop convert, export-gguf and replay like Ctrl-C: their temporary output is removed.
+stop convert, export-gguf, replay and bench like Ctrl-C: their temporary output is removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
 import re
 import signal
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # commands that write a temporary output: SIGTERM / SIGHUP unwind them like Ctrl-C does, so
 # the temporary is removed (the default action would kill the process and leave it behind)
-CLEAN_UP_ON_SIGNAL = ("convert", "export-gguf", "replay")
+CLEAN_UP_ON_SIGNAL = ("convert", "export-gguf", "replay", "bench")
 
 
 class Signalled(BaseException):
@@ -57,9 +59,25 @@ def _raise_signalled(signum: int, _frame: object) -> None:
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `colibri run: --ctx must be a whole number >= 1 ...`
     (no usage block in front; `--help` has it), exit code 2. The subcommands' parsers are of
-    this class too (add_subparsers makes them so)."""
+    this class too (add_subparsers makes them so). A value such as `-1G` is a value, not an
+    option (colibri.options.NEGATIVE_VALUE), so `--budget -1G` is refused by its type."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from colibri.options import NEGATIVE_VALUE
+
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
+        m = re.fullmatch(r"argument COMMAND: invalid choice: '([^']*)'.*", message, re.S)
+        if m:  # not argparse's "(choose from 'run', 'chat', ...)" in quotes
+            near = difflib.get_close_matches(m.group(1), COMMANDS, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            self.exit(
+                2,
+                f"{self.prog}: unknown command '{m.group(1)}'; {hint}commands: "
+                f"{', '.join(COMMANDS)}\n",
+            )
         m = re.fullmatch(r"argument ([^:]+): (.*)", message, re.S)
         if m:  # "argument --budget/--ram-budget: msg" -> "--budget msg"
             names = m.group(1).split("/")
@@ -99,6 +117,24 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command of `argv` (default sys.argv[1:]); returns the exit code (argparse's
+    errors exit 2 by SystemExit). A reader that goes away (`colibri plan --json | head -1`)
+    ends the command quietly with 141 (128 + SIGPIPE, what a shell shows for `yes | head`)."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # argparse's --help exits too: flush here, not at exit ("Exception ignored")
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush
+        # does not complain ("Exception ignored ... BrokenPipeError") and exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     from colibri.errors import ColibriError
 
     try:
@@ -129,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ncolibri: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # main(): quiet
     except (ColibriError, OSError, ValueError) as exc:
         if args.debug:
             raise

@@ -125,6 +125,9 @@ def check_memory(plan: dict) -> Check:
         f"{m['available_nbytes'] / gib:.2f} GiB available"
     )
     swap = [w for w in plan["warnings"] if "swap" in w or "leaves the OS" in w]
+    refused = [w for w in plan["warnings"] if "the engine will refuse it" in w]
+    if refused:  # --budget below one layer's top-k records: `colibri run` stops at once
+        return Check("fail", "memory", refused[0], "raise --budget (see `colibri plan`)")
     if m["available_nbytes"] and need > m["available_nbytes"]:
         return Check("fail", "memory", found, "lower --budget (see `colibri plan`)")
     if swap:

@@ -33,6 +33,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.io.cache import POLICIES
 from colibri.io.format import Store, open_store
+from colibri.io.reader import MAX_QUEUE_DEPTH
 from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
@@ -73,7 +74,8 @@ def available_memory() -> int:
 
 def generation_defaults(path: Path) -> dict[str, Any]:
     """Sampling defaults from generation_config.json: greedy unless do_sample is true, then
-    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent."""
+    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent. Raises
+    ColibriError naming the file when a value is out of SamplingParams' range."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -83,7 +85,12 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     if not cfg.get("do_sample"):
         return {"temperature": 0.0}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    out = {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    try:  # checked here, so the message names the file the bad value came from
+        SamplingParams(**out)
+    except ColibriError as exc:
+        raise ColibriError(f"{path / 'generation_config.json'}: {exc}") from None
+    return out
 
 
 def default_budget(store: Store, dense_nbytes: int) -> int:
@@ -156,8 +163,8 @@ class EngineOptions:
             raise bad("kv_dtype", "must be f32 or f16")
         if self.activations not in ("f32", "q8_0", "q8_k"):
             raise bad("activations", "must be f32, q8_0 or q8_k")
-        if self.queue_depth < 1:
-            raise bad("queue_depth", "must be >= 1")
+        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise bad("queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}] (io_uring's ring limit)")
         if self.mirror_weights is not None and (
             len(self.mirror_weights) != 1 + len(self.mirrors)
             or not all(w > 0 for w in self.mirror_weights)

@@ -14,6 +14,8 @@ import math
 import re
 from collections.abc import Callable
 
+from colibri.io.reader import MAX_QUEUE_DEPTH
+
 
 def parse_size(text: str) -> int:
     """'512M', '4G', '1.5GiB', '123456' -> bytes. Raises ValueError naming the value."""
@@ -27,8 +29,14 @@ def parse_size(text: str) -> int:
         raise ValueError(f"invalid size {text!r} (examples: 512M, 4G, 1.5GiB)") from None
 
 
+def _negative(text: str) -> bool:
+    return text.strip().startswith("-")
+
+
 def size_arg(text: str) -> int:
     """parse_size for argparse (its message reaches the user); 0 is accepted."""
+    if _negative(text):
+        raise argparse.ArgumentTypeError(f"must be a number of bytes >= 0 (got {text!r})")
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -37,26 +45,28 @@ def size_arg(text: str) -> int:
 
 def positive_size(text: str) -> int:
     """A byte count > 0 (an expert cache budget), e.g. 512M, 4G."""
-    n = size_arg(text)
+    n = 0 if _negative(text) else size_arg(text)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of bytes (got {text!r})")
     return n
 
 
-def whole(lo: int, note: str = "") -> Callable[[str], int]:
-    """The argparse type of a whole number >= lo; `note` (e.g. "0: off") ends the message."""
+def whole(lo: int, note: str = "", *, hi: int | None = None) -> Callable[[str], int]:
+    """The argparse type of a whole number >= lo (and <= hi when given); `note` (e.g.
+    "0: off") ends the message."""
     tail = f"; {note}" if note else ""
+    rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
 
     def parse(text: str) -> int:
         try:
             n = int(text)
         except ValueError:
             n = None
-        if n is None or n < lo:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {lo}{tail} (got {text!r})")
+        if n is None or n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"must be a whole number {rule}{tail} (got {text!r})")
         return n
 
-    parse.__name__ = f"whole>={lo}"
+    parse.__name__ = f"whole {rule}"
     return parse
 
 
@@ -89,3 +99,11 @@ def number(
 
 
 ctx_tokens = whole(1)  # --ctx: context tokens
+# --queue-depth: reads in flight (colibri/io/reader.py's range: an out-of-range depth is
+# refused, not quietly turned into thread reads)
+queue_depth = whole(1, "io_uring's ring limit", hi=MAX_QUEUE_DEPTH)
+
+# a value such as `--budget -1G` would otherwise read as an option ("expected one argument"):
+# argparse takes an argument that matches this for a value (a negative number) when the parser
+# has no option that looks like one; the types above then refuse it by name
+NEGATIVE_VALUE = re.compile(r"^-(\d[\w.]*|\.\d[\w.]*)$")

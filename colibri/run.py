@@ -23,6 +23,7 @@ from colibri.options import (
     number,
     parse_size,  # noqa: F401  (cluster/shard.py imports it from here)
     positive_size,
+    queue_depth,
     size_arg,  # noqa: F401  (serve/cli.py imports it from here)
     whole,
 )
@@ -135,7 +136,7 @@ def add_machine_options(g: Any) -> None:
     """--queue-depth and --no-profile (the machine profile written by `colibri tune`)."""
     g.add_argument(
         "--queue-depth",
-        type=whole(1),
+        type=queue_depth,
         default=None,
         help="expert reads in flight at most (default: the profile's, else 32)",
     )
@@ -390,11 +391,21 @@ async def _print_stream(
     return "".join(text)
 
 
-def _say_backend(engine: Engine, requested: str) -> None:
-    """One line on stderr when the reader is not the io_uring + O_DIRECT one asked for."""
+def _say_backend(engine: Engine, requested: str, threads: int = 0) -> None:
+    """One line on stderr when the reader is not the io_uring + O_DIRECT one asked for, and
+    one when --threads asks for more threads than the kernels' pool has (physical cores)."""
     st = engine.reader.statistics()
     if (requested == "auto" and st.backend != "uring") or (st.backend != "mmap" and not st.direct):
         print(f"colibri: reading experts with {st.backend}: {st.reason}", file=sys.stderr)
+    from colibri.compute import ops
+
+    cores = ops.default_threads()
+    if threads > cores:
+        print(
+            f"colibri: --threads {threads}: kernels run at most {cores} threads here (one per "
+            "physical core, the size of their pool)",
+            file=sys.stderr,
+        )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -405,7 +416,7 @@ async def _run(args: argparse.Namespace) -> int:
     opts, profile = engine_options(args, path)
     async with open_engine(path, **opts) as engine:
         check_ctx(engine, args)
-        _say_backend(engine, args.io)
+        _say_backend(engine, args.io, args.threads)
         echo = prompt if isinstance(prompt, str) else ""
         await _print_stream(engine, prompt, _sampling(args), echo, profile)
         for line in (mirror_line(engine), cluster_line(engine)):
@@ -428,7 +439,7 @@ async def _chat(args: argparse.Namespace) -> int:
     opts = {**opts, "prefix_cache": CHAT_PREFIX_CACHE}
     async with open_engine(_model_path(args), **opts) as engine:
         check_ctx(engine, args)
-        _say_backend(engine, args.io)
+        _say_backend(engine, args.io, args.threads)
         session = None
         if args.session and Path(args.session).exists():
             session = engine.load_session(args.session)

@@ -90,7 +90,7 @@ def measure(
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from colibri.options import size_arg
+    from colibri.options import number, size_arg
 
     p.add_argument("model", nargs="?", default=None, help="a store (default: the demo model)")
     p.add_argument(
@@ -100,7 +100,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a mirror of the store (colibri mirror) whose drive to measure too",
     )
-    p.add_argument("--seconds", type=float, default=0.5, help="seconds per queue depth")
+    p.add_argument(
+        "--seconds", type=number(0, lo_open=True), default=0.5, help="seconds per queue depth"
+    )
     p.add_argument("--reserve", type=size_arg, help="RAM to leave to the OS (default 10%%, >= 1G)")
     p.add_argument("--out", help="profile path (default: $XDG_CONFIG_HOME/colibri/machine.json)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, do not write")

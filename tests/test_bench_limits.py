@@ -77,3 +77,23 @@ def test_disk_gbps_takes_the_reader_where_it_beat_fio(tmp_path: Path):
     assert lim.disk_gbps(ctx, rec, 8) == 3.0  # the reader's higher figure
     assert lim.disk_gbps(ctx, rec, 32) == 1.0  # fio's, where fio was higher
     assert lim.disk_gbps(ctx, rec, 16) == pytest.approx(2.0)  # halfway in log2 between 8 and 32
+
+
+def test_write_file_leaves_no_partial_file(tmp_path, monkeypatch):
+    """An interrupted fio file (Ctrl-C, SIGTERM, a full disk) is removed, not left behind
+    at gigabytes; a finished one is renamed into place."""
+    import os
+
+    from colibri.bench import io as bench_io
+
+    path = str(tmp_path / "f.bin")
+    bench_io.write_file(path, 3 << 20)
+    assert os.path.getsize(path) == 3 << 20 and os.listdir(tmp_path) == ["f.bin"]
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_io.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench_io.write_file(str(tmp_path / "g.bin"), 1 << 20)
+    assert os.listdir(tmp_path) == ["f.bin"]

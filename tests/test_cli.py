@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from colibri.cli import COMMANDS
 from colibri.convert import convert
 from tests import hf_models
 
@@ -201,6 +202,19 @@ BAD_VALUES = [
         ["plan", "--budget", "0"],
         "colibri plan: --budget must be a positive number of bytes (got '0')",
     ),
+    # a negative size is a value, not an option ("--budget: expected one argument")
+    (
+        ["run", "--budget", "-1G"],
+        "colibri run: --budget must be a positive number of bytes (got '-1G')",
+    ),
+    (
+        ["chat", "--budget=-1G"],
+        "colibri chat: --budget must be a positive number of bytes (got '-1G')",
+    ),
+    (
+        ["serve", "--prefix-cache", "-.5M"],
+        "colibri serve: --prefix-cache must be a number of bytes >= 0 (got '-.5M')",
+    ),
     (["run", "-n", "0"], "colibri run: -n/--max-tokens must be a whole number >= 1 (got '0')"),
     (
         ["run", "--temperature", "-1"],
@@ -232,7 +246,19 @@ BAD_VALUES = [
     ),
     (
         ["eval", "--queue-depth", "0"],
-        "colibri eval: --queue-depth must be a whole number >= 1 (got '0')",
+        "colibri eval: --queue-depth must be a whole number in [1, 32768]; io_uring's ring "
+        "limit (got '0')",
+    ),
+    # refused, not quietly read with threads because io_uring cannot make such a ring
+    (
+        ["run", "--queue-depth", "100000"],
+        "colibri run: --queue-depth must be a whole number in [1, 32768]; io_uring's ring "
+        "limit (got '100000')",
+    ),
+    (
+        ["replay", "t.npz", "--queue-depth", "-4"],
+        "colibri replay: --queue-depth must be a whole number in [1, 32768]; io_uring's ring "
+        "limit (got '-4')",
     ),
     (
         ["run", "--owners-per-node", "0"],
@@ -247,6 +273,31 @@ BAD_VALUES = [
     (
         ["serve", "--frob"],
         "colibri serve: unrecognized arguments: --frob (`colibri serve --help` lists the options)",
+    ),
+    (
+        ["serve", "--parallel", "0"],
+        "colibri serve: --parallel must be a whole number >= 1 (got '0')",
+    ),
+    (
+        ["serve", "--max-queue", "-1"],
+        "colibri serve: --max-queue must be a whole number >= 0 (got '-1')",
+    ),
+    (
+        ["serve", "--drain-timeout", "-1"],
+        "colibri serve: --drain-timeout must be a number >= 0 (got '-1')",
+    ),
+    (
+        ["serve", "--max-body", "0"],
+        "colibri serve: --max-body must be a positive number of bytes (got '0')",
+    ),
+    (["tune", "--seconds", "0"], "colibri tune: --seconds must be a number > 0 (got '0')"),
+    (["bench", "--rounds", "0"], "colibri bench: --rounds must be a whole number >= 1 (got '0')"),
+    (["eval", "--limit", "0"], "colibri eval: --limit must be a whole number >= 1 (got '0')"),
+    (["eval", "--shots", "-1"], "colibri eval: --shots must be a whole number >= 0 (got '-1')"),
+    (["frob"], "colibri: unknown command 'frob'; commands: " + ", ".join(COMMANDS)),
+    (
+        ["evl", "--limit", "3"],
+        "colibri: unknown command 'evl'; did you mean 'eval'? commands: " + ", ".join(COMMANDS),
     ),
 ]
 
@@ -288,6 +339,7 @@ PROBES = ["-3", "-2", "-1", "-0.5", "0", "0.5", "1", "1.5", "2", "2.5", "30", "n
         ("--max-tokens", "max_tokens", int),
         ("--threads", "threads", int),
         ("--queue-depth", "queue_depth", int),
+        ("--queue-depth", "queue_depth", "large"),
         ("--owners-per-node", "owners_per_node", int),
         ("--ctx", "n_ctx", int),
         ("--budget", "budget", "size"),
@@ -308,7 +360,10 @@ def test_cli_ranges_are_the_libraries_ranges(flag, field, kind):
     configure_parser(p)
     parse = next(a for a in p._actions if flag in a.option_strings).type
     owner = SamplingParams if field in SamplingParams.__dataclass_fields__ else EngineOptions
-    for text in PROBES:
+    probes = PROBES
+    if kind == "large":  # the upper end of a range (--queue-depth: io_uring's ring limit)
+        kind, probes = int, ["32767", "32768", "32769", "100000"]
+    for text in probes:
         try:
             if kind == "size":
                 value = parse_size(text)
@@ -326,3 +381,42 @@ def test_cli_ranges_are_the_libraries_ranges(flag, field, kind):
         except ColibriError:
             library = False
         assert _accepts(parse, text) == library, (flag, text, library)
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["plan", "--json"], 141),
+        (["plan"], 141),
+        (["doctor"], 141),
+        (["run", "-n", "64"], 141),
+        (["--help"], 0),  # argparse ignores a failed write of its help itself
+    ],
+)
+def test_a_closed_stdout_ends_quietly(argv, code):
+    """`colibri plan --json | head -1`: when the reader of stdout has gone, the command stops
+    without "Broken pipe" or a traceback, with 141 (128 + SIGPIPE, as `yes | head` shows)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "colibri", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    p.stdout.close()  # before the command writes anything: its first write meets EPIPE
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == code, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception" not in err, err
+
+
+def test_threads_above_the_pool_are_said_once():
+    """--threads above the physical cores runs at most the kernels' pool (one thread per
+    physical core): said on one line, not silently clamped."""
+    from colibri.compute import ops
+
+    cores = ops.default_threads()
+    res = colibri("run", "-n", "2", "--io", "threads", "--threads", str(cores + 62))
+    assert res.returncode == 0, res.stderr
+    line = f"colibri: --threads {cores + 62}: kernels run at most {cores} threads here"
+    assert res.stderr.count(line) == 1, res.stderr
+    res = colibri("run", "-n", "2", "--io", "threads", "--threads", str(cores))
+    assert res.returncode == 0 and "kernels run at most" not in res.stderr, res.stderr

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from colibri import doctor, machine
+from colibri import SyncEngine, doctor, machine
+from colibri.errors import ColibriError
 from colibri.io import uring
 from colibri.run import DEMO_STORE
 
@@ -110,3 +111,19 @@ def test_memory_check_fails_when_the_plan_does_not_fit():
     }
     c = doctor.check_memory(plan)
     assert c.status == "fail" and "needs 6.00 GiB" in c.found and "--budget" in c.fix
+
+
+def test_a_budget_the_engine_refuses_fails():
+    """`doctor --budget 1` said "all ok" while `run --budget 1` refuses the budget."""
+    from colibri import cli
+
+    checks = by_name(doctor.run_checks(DEMO_STORE, budget=1))
+    c = checks["memory"]
+    assert c.status == "fail" and "budget 1 bytes holds 0 records" in c.found, c
+    assert "--budget" in c.fix
+    with (
+        pytest.raises(ColibriError, match="budget 1 bytes is too small"),
+        SyncEngine(DEMO_STORE, budget=1, io="threads"),
+    ):
+        pass
+    assert cli.main(["doctor", "--budget", "1"]) == 2

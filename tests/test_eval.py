@@ -616,10 +616,13 @@ def test_bad_inputs(tmp_path, capsys, tiny):
     assert "--reference" in err and "another model" in err
     short = tmp_path / "short.txt"
     short.write_text("a few words")
-    assert "fewer than one window" in _error(capsys, "--task", "perplexity", "--data", str(short))
+    err = _error(capsys, "--task", "perplexity", "--data", str(short))
+    assert f"--data {short}: the text has" in err and "fewer than one window" in err
     out = tmp_path / "no-such-folder" / "out.json"  # refused before any window is scored
     err = _error(capsys, "--task", "perplexity", "--data", str(text), "--json", str(out))
     assert f"--json {out}" in err and "not a writable folder" in err
+    err = _error(capsys, "--task", "perplexity", "--data", str(text), "--json", str(tmp_path))
+    assert f"--json {tmp_path}: is a directory" in err  # before the eval, not after it
     notjson = tmp_path / "x.jsonl"
     notjson.write_text('{"a": 1}\nnot json\n')
     assert "x.jsonl:2: not JSON" in _error(capsys, "--task", "boolq", "--data", str(notjson))

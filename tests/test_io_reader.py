@@ -281,3 +281,20 @@ def reader_mod_hugepages() -> int:
     from colibri.io.slab import _hugepages_free
 
     return _hugepages_free()
+
+
+@pytest.mark.parametrize("backend", ["auto", "uring", "threads", "mmap"])
+def test_out_of_range_queue_depth_is_refused_not_a_fallback(datafile, backend):
+    """A depth io_uring cannot set up (> IORING_MAX_ENTRIES, 32768) is refused by name for
+    every backend, rather than "auto" quietly becoming thread reads."""
+    from colibri.io.reader import MAX_QUEUE_DEPTH
+
+    path, _ = datafile
+    pool = SlabPool(REC, 2)
+    for qd in (0, MAX_QUEUE_DEPTH + 1, 100_000):
+        with pytest.raises(ValueError, match=rf"queue_depth must be in \[1, 32768\].*got {qd}"):
+            open_reader(path, backend, pool=pool, queue_depth=qd)
+    if URING is None or backend != "uring":  # the largest depth opens (a ring of 32768)
+        r = open_reader(path, backend, pool=pool, queue_depth=MAX_QUEUE_DEPTH)
+        assert r.queue_depth == MAX_QUEUE_DEPTH
+        asyncio.run(r.aclose())

@@ -50,6 +50,12 @@ def test_trace_roundtrip_and_errors(tmp_path):
         RoutingTrace.load(tmp_path / "bad.npz")
     with pytest.raises(TraceError):
         RoutingTrace.load(tmp_path / "missing.npz")
+    # not numpy's "pickled data ... allow_pickle" advice for a file that is no .npz at all
+    (tmp_path / "notes.json").write_text('{"a": 1}')
+    with pytest.raises(TraceError, match=r"notes\.json: not a colibri routing trace \(an \.npz"):
+        RoutingTrace.load(tmp_path / "notes.json")
+    with pytest.raises(TraceError, match="is a directory"):
+        RoutingTrace.load(tmp_path)
 
 
 @needs_mixtral

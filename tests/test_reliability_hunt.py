@@ -129,6 +129,19 @@ async def test_generation_config_not_an_object(base_store, tmp_path):  # noqa: F
             pass
 
 
+@pytest.mark.parametrize(
+    "cfg, field", [({"temperature": "hot"}, "temperature"), ({"top_p": 2}, "top_p")]
+)
+async def test_generation_config_bad_value_names_the_file(base_store, tmp_path, cfg, field):  # noqa: F811
+    """A sampling default out of range names generation_config.json, not only the field."""
+    store = tmp_path / "store"
+    shutil.copytree(base_store, store)
+    (store / "generation_config.json").write_text(json.dumps({"do_sample": True, **cfg}))
+    with pytest.raises(ColibriError, match=rf"generation_config\.json: {field}="):
+        async with open_engine(store, io="threads"):
+            pass
+
+
 def test_budget_above_every_record_reserves_only_what_they_need():
     """--budget 100T used to fail with a bare '[Errno 12] Cannot allocate memory'."""
     res = colibri(

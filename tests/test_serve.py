@@ -419,6 +419,16 @@ def test_tools_reach_the_chat_template(tmp_path):
         )  # fmt: skip
         assert a_tools.usage.input_tokens == with_tools.usage.prompt_tokens
         assert a_plain.usage.input_tokens == plain.usage.prompt_tokens
+        a_none = ant.messages.create(
+            model=MODEL, max_tokens=2, messages=msg, tool_choice={"type": "none"},
+            tools=[{"name": "get_weather", "input_schema": params}],
+        )  # fmt: skip
+        assert a_none.usage.input_tokens == plain.usage.prompt_tokens  # was: tools rendered
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            ant.messages.create(
+                model=MODEL, max_tokens=2, messages=msg, tool_choice={"type": "any"},
+                tools=[{"name": "get_weather", "input_schema": params}],
+            )  # fmt: skip
 
 
 def test_a_corrupt_expert_record_ends_the_stream_with_an_error(tmp_path):
@@ -442,3 +452,64 @@ def test_a_corrupt_expert_record_ends_the_stream_with_an_error(tmp_path):
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert srv.health()["status"] == "ok"
         assert srv.wait_idle()["leased"] == 0
+
+
+def test_strict_types_roles_and_unknown_fields(server, oai):
+    """As OpenAI's API: a bool or a string is not an integer, a role must be one of OpenAI's,
+    an unknown top-level field is refused by name (a typo is not silently ignored), fields
+    that cannot change the answer are accepted, and vLLM's top_k -1 is off like 0."""
+    url = server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    for extra, param, message in (
+        (
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages.0.role",
+            "messages[0].role",
+        ),
+        ({"max_tokens": True}, "max_tokens", "valid integer (got True)"),
+        ({"max_tokens": "5"}, "max_tokens", "valid integer"),
+        ({"stream": "yes"}, "stream", "valid boolean"),
+        ({"temperature": "0"}, "temperature", "valid number"),
+        ({"max_token": 5}, "max_token", "unrecognized request argument supplied: max_token"),
+        ({"logit_bias": {"5": 100}}, "logit_bias", "logit_bias is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"messages": [{"role": "user"}]}, "messages.0", "a user message needs content"),
+        # colibri cannot force a tool call (no constrained decoding): said, not ignored
+        ({"tool_choice": "required"}, "tool_choice", "only 'auto' and 'none' are supported"),
+        # was a 500 (TypeError: multiple values for 'messages')
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
+    ):
+        r = httpx.post(url, json={**base, **extra}, timeout=10)
+        assert r.status_code == 400, extra
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        assert message in err["message"], err
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(url, content=deep, timeout=10)  # was a 500 (RecursionError)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "frob": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frob", r.text
+    with pytest.raises(openai.BadRequestError, match="unrecognized request argument"):
+        oai.chat.completions.create(**base, extra_body={"temprature": 0.5})
+
+    def text(**kw):
+        out = oai.chat.completions.create(**{**base, "max_tokens": 6, **kw})
+        return out.choices[0].message.content
+
+    greedy = text(temperature=0)
+    # accepted and ignored: they cannot change the tokens (null is "not given")
+    assert greedy == text(
+        temperature=0, user="u", store=False, metadata={"k": "v"}, parallel_tool_calls=True,
+        service_tier="auto", response_format={"type": "text"}, logit_bias={},
+        extra_body={"prompt_cache_key": "x", "safety_identifier": "s", "audio": None},
+    )  # fmt: skip
+    # vLLM's top_k -1 and colibri's 0 both mean off: the same sampled tokens for a seed
+    sampled = [text(temperature=1.5, seed=5, extra_body={"top_k": k}) for k in (-1, 0)]
+    assert sampled[0] == sampled[1]
+    r = httpx.post(url, json={**base, "top_k": -2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    # developer is OpenAI's newer system role: the template sees a system message
+    dev = [{"role": "developer", "content": "Be brief."}, *CHAT]
+    sys_ = [{"role": "system", "content": "Be brief."}, *CHAT]
+    assert text(temperature=0, messages=dev) == text(temperature=0, messages=sys_)
+    assert server.wait_idle()["leased"] == 0

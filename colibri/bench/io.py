@@ -37,13 +37,17 @@ from colibri.io.slab import SlabPool
 def write_file(path: str, nbytes: int) -> None:
     chunk = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(chunk[: min(left, len(chunk))])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # Ctrl-C, SIGTERM (cli.CLEAN_UP_ON_SIGNAL), a full disk: no 8 GiB leftover
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def drop_cache(path: str) -> None:

@@ -56,8 +56,11 @@ def _read_pass(loop: Any, reader: Any, records: list, seed: int) -> float:
 
 def _copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:  # interrupted: no partial copy left behind
+        tmp.unlink(missing_ok=True)
 
 
 def run(ctx: Context) -> Section:

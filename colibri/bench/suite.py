@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+from colibri.options import whole
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 # key -> module; the order is the run order
@@ -69,8 +71,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="scratch folder for stores, GGUFs and the fio file, on the disk to measure "
         "(default: $COLIBRI_BENCH_WORK or /var/tmp/colibri-bench; kept between runs)",
     )
-    p.add_argument("--threads", type=int, help="compute threads for both engines (default: cores)")
-    p.add_argument("--rounds", type=int, help="interleaved A/B rounds (default 3, quick 2)")
+    p.add_argument(
+        "--threads", type=whole(1), help="compute threads for both engines (default: cores)"
+    )
+    p.add_argument("--rounds", type=whole(1), help="interleaved A/B rounds (default 3, quick 2)")
     p.add_argument(
         "--decode-model",
         default=None,
@@ -98,9 +102,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if unknown or not keys:
         print(f"colibri bench: unknown section(s) {unknown}; choose from {list(SECTIONS)}",
               file=sys.stderr)  # fmt: skip
-        return 2
-    if args.threads is not None and args.threads < 1:
-        print("colibri bench: --threads must be >= 1", file=sys.stderr)
         return 2
     out = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from colibri.engine import DEFAULT_N_CTX, Engine, open_engine
 from colibri.eval import scoring
 from colibri.eval.data import EvalError, read_records, read_text
 from colibri.eval.tasks import TASKS, build_requests
+from colibri.options import whole
 
 PPL_CTX = 512  # llama-perplexity's default --ctx-size for perplexity
 
@@ -47,7 +48,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="perplexity: a UTF-8 text file (plain/.gz/.xz); multiple choice: the dataset's "
         "records as JSON lines (plain/.gz/.xz), parquet, or a datasets.save_to_disk folder",
     )
-    p.add_argument("--limit", type=int, help="only the first N items (perplexity: N windows)")
+    p.add_argument("--limit", type=whole(1), help="only the first N items (perplexity: N windows)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write metrics and items as JSON")
     p.add_argument(
         "--reference",
@@ -56,7 +57,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "KL(reference || this), top-1 and routing agreement; multiple choice: the accuracy "
         "delta and per-item prediction agreement",
     )
-    p.add_argument("--shots", type=int, default=0, help="mmlu: few-shot examples (0..5)")
+    p.add_argument("--shots", type=whole(0), default=0, help="mmlu: few-shot examples (0..5)")
     p.add_argument(
         "--fewshot-data",
         type=Path,
@@ -327,6 +328,8 @@ async def _eval(args: argparse.Namespace) -> int:
         folder = args.json.parent
         if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
             raise EvalError(f"--json {args.json}: {folder} is not a writable folder")
+        if args.json.is_dir():
+            raise EvalError(f"--json {args.json}: is a directory (give a file name)")
     # read the inputs before loading any weights: a bad file fails at once
     text, docs, fewshot = None, None, None
     if args.task == "perplexity":
@@ -355,9 +358,12 @@ async def _eval(args: argparse.Namespace) -> int:
             scoring.check_same_model(engine, reference, args.reference)
         if args.task == "perplexity":
             assert text is not None
-            result = await eval_perplexity(
-                engine, text, opts["n_ctx"], reference=reference, limit=args.limit
-            )
+            try:
+                result = await eval_perplexity(
+                    engine, text, opts["n_ctx"], reference=reference, limit=args.limit
+                )
+            except EvalError as exc:  # "the text has 6 tokens, ...": say which text
+                raise EvalError(f"--data {args.data}: {exc}") from None
         else:
             assert docs is not None
             result = await eval_choice(

@@ -140,14 +140,27 @@ def open_direct(path: str, direct: bool) -> tuple[int, bool, str]:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False, note
 
 
+# reads in flight at most: io_uring refuses rings above IORING_MAX_ENTRIES (32768); a deeper
+# queue is refused by name rather than quietly turned into thread reads
+MAX_QUEUE_DEPTH = 32768
+
+
+def check_queue_depth(queue_depth: int) -> None:
+    """ValueError naming queue_depth unless 1 <= queue_depth <= MAX_QUEUE_DEPTH."""
+    if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        raise ValueError(
+            f"queue_depth must be in [1, {MAX_QUEUE_DEPTH}] (io_uring's ring limit), "
+            f"got {queue_depth}"
+        )
+
+
 class Reader:
     """Common part of every backend: the priority gate, slot checks, statistics."""
 
     backend = "?"
 
     def __init__(self, path: str, pool: SlabPool, queue_depth: int) -> None:
-        if queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        check_queue_depth(queue_depth)
         self.path = os.fspath(path)
         self.pool = pool
         self.queue_depth = queue_depth
@@ -361,10 +374,12 @@ def open_reader(
         queue_depth: reads in flight at most (io_uring ring size; thread reads are capped at 8).
         direct: use O_DIRECT when the file system accepts it (else buffered, reported).
     Returns: a Reader; `reader.backend` / `reader.reason` say what was chosen and why.
-    Raises: OSError when the file cannot be opened; with backend="uring", ReadError when
-    io_uring is unavailable (the message says why).
+    Raises: OSError when the file cannot be opened; ValueError when queue_depth is outside
+    [1, MAX_QUEUE_DEPTH]; with backend="uring", ReadError when io_uring is unavailable (the
+    message says why).
     """
     path = os.fspath(path)
+    check_queue_depth(queue_depth)
     if backend == "mmap":
         return MmapReader(path, pool, queue_depth=queue_depth)
     if backend == "threads":

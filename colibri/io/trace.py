@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,13 @@ class RoutingTrace:
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
         """Read a trace written by `save` (or `RoutingTraceWriter`). Raises TraceError."""
+        if os.path.isdir(path):
+            raise TraceError(f"{path}: is a directory, not a routing trace (.npz)")
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):  # not numpy's pickle advice
+            raise TraceError(
+                f"{path}: not a colibri routing trace (an .npz from `colibri run --trace`; "
+                "a Mixtral trace ends in .jsonl)"
+            )
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))

@@ -79,7 +79,16 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def openai_tools(req: MessagesRequest) -> list[dict[str, Any]] | None:
-    if not req.tools:
+    """The request's tools as OpenAI function tools (None without tools or with tool_choice
+    none). APIError 400 for tool_choice any / tool: forcing a tool call needs constrained
+    decoding, which colibri lacks (said, not treated as auto)."""
+    choice = (req.tool_choice or {}).get("type", "auto")
+    if choice not in ("auto", "none"):
+        raise APIError(
+            400, f"tool_choice.type: only 'auto' and 'none' are supported (got {choice!r:.40})",
+            param="tool_choice",
+        )  # fmt: skip
+    if not req.tools or choice == "none":
         return None
     out = []
     for i, t in enumerate(req.tools):

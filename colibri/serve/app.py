@@ -67,6 +67,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # [[[[...]]]] deeper than the parser's stack
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
 
 
 def create_app(

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from colibri.options import number, positive_size, whole
 from colibri.run import (
     DEMO_STORE,
     _say_backend,
@@ -41,13 +42,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     g.add_argument(
         "--parallel",
-        type=int,
+        type=whole(1),
         default=4,
         help="sequences decoded together (default 4); more requests wait in the queue",
     )
     g.add_argument(
         "--max-queue",
-        type=int,
+        type=whole(0),
         default=64,
         help="requests that may wait for a sequence; beyond, 429 with Retry-After (default 64)",
     )
@@ -61,7 +62,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--name", default=None, help="the model id clients use (default: the store's folder name)"
     )
     g.add_argument(
-        "--max-body", type=size_arg, default="32M", help="largest request body (default 32M)"
+        "--max-body", type=positive_size, default="32M", help="largest request body (default 32M)"
     )
     g.add_argument(
         "--prefix-cache",
@@ -71,7 +72,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=number(0),
         default=60.0,
         help="seconds running requests get to finish on SIGTERM (default 60)",
     )
@@ -154,8 +155,6 @@ async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | No
     from colibri.serve.service import Service
 
     _Server = _server_class()
-    if args.parallel < 1 or args.max_queue < 0:
-        raise ValueError("--parallel must be >= 1 and --max-queue >= 0")
     path = Path(args.model) if args.model else DEMO_STORE
     opts, _profile = engine_options(args, path)  # the machine profile's defaults (colibri tune)
     options = {
@@ -165,7 +164,7 @@ async def serve(args: argparse.Namespace, on_started: Callable[[str], None] | No
     }
     async with open_engine(path, **options) as engine:
         check_ctx(engine, args)
-        _say_backend(engine, args.io)
+        _say_backend(engine, args.io, args.threads)
         service = Service(
             engine,
             model_id(path, args.name),

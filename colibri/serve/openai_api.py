@@ -262,7 +262,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     arguments as dicts, as transformers passes them)."""
     out = []
     for i, m in enumerate(req.messages):
-        msg: dict[str, Any] = {"role": m.role}
+        # chat templates know system, not OpenAI's newer name for it
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         content = m.content
         if isinstance(content, list):
             parts = []
