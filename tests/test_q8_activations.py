@@ -159,6 +159,47 @@ def test_gemm_tiles_bit_equal_to_scalar_twin(qt):
     assert np.max(np.abs(y_ref - want) / mag) <= MATMUL_TOL
 
 
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "rows, cols, n",
+    [(237, 1056, 12), (237, 1056, 16), (61, 1056, 28), (45, 512, 32), (45, 512, 8),
+     (21, 16416, 32), (7, 544, 16)],
+)  # fmt: skip
+def test_gemm_x_in_lanes_bit_equal_to_scalar_twin(qt, rows, cols, n):
+    """The batch sizes that fill 16-lane columns of x rows (AVX512-VNNI's mmq_gemmx: weights
+    read in place, x transposed) give the scalar twin's bits at every SIMD level: ragged
+    weight rows (tail tiles of 5, 7 rows), a matrix smaller than one tile, x panels over
+    several passes (16416 columns: one 16-row column per panel), 1 and 2 threads; and every
+    x row alone gives the bits it gets in the batch (batch invariance), as does a call on a
+    row range's weights."""
+    rng = np.random.default_rng(rows * 1000 + n)
+    data, _w = random_weights(rng, qt, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[3] *= 1e-3  # small and large d_x in one column
+    xq = ops.quantize_act(x)
+    before = ops.isa()
+    try:
+        ops.set_isa(ops.ISA.SCALAR)
+        y_ref = ops.matmul_q8(data, qt, xq, np.empty((n, rows), np.float32), nthreads=1)
+        for level in ops.ISA:
+            if not ops.ISA.SCALAR < level <= ops.best_isa():
+                continue
+            ops.set_isa(level)
+            for t in (1, 2):
+                y = ops.matmul_q8(data, qt, xq, np.full((n, rows), np.nan, np.float32), nthreads=t)
+                np.testing.assert_array_equal(y, y_ref, err_msg=f"{level.name}, {t} threads")
+            for i in (0, 3, n - 1):
+                yi = ops.matmul_q8(data, qt, xq[i], np.empty(rows, np.float32))
+                np.testing.assert_array_equal(yi, y_ref[i], err_msg=f"{level.name}, row {i}")
+            r0 = rows // 3
+            part = ops.matmul_q8(data[r0:], qt, xq, np.empty((n, rows - r0), np.float32))
+            np.testing.assert_array_equal(part, y_ref[:, r0:], err_msg=f"{level.name}, rows {r0}:")
+    finally:
+        ops.set_isa(before)
+    want, mag = q8_reference(data, qt, x)
+    assert np.max(np.abs(y_ref - want) / mag) <= MATMUL_TOL
+
+
 def test_quantize_act_edge_cases(isa):
     """The SIMD quantizer gives gguf's bytes: exact halves, all-zero and tiny blocks."""
     x = np.zeros((4, 64), np.float32)
