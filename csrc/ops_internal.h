@@ -38,7 +38,7 @@ struct ops_attn {
  * OPS_ATTN_HEADS heads and OPS_ATTN_ENTRIES (row, head) pairs: each K/V row it loads serves
  * all of them. Keys are scored OPS_ATTN_KEYS at a time (scores on the stack). */
 #define OPS_ATTN_HEADS 8
-#define OPS_ATTN_ENTRIES 64
+#define OPS_ATTN_ENTRIES 128
 #define OPS_ATTN_KEYS 32
 /* values a block of ops_logsumexp sums in f32 lanes before adding the block to an f64 sum */
 #define OPS_LSE_BLOCK 256
