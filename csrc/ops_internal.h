@@ -54,6 +54,7 @@ struct ops_attn {
     void ops_softmax_##sfx(float *x, int64_t n, int64_t d);                                 \
     void ops_logsumexp_##sfx(double *out, const float *x, int64_t n, int64_t d);           \
     void ops_silu_##sfx(float *y, const float *x, int64_t n);                               \
+    void ops_swiglu_##sfx(float *g, const float *u, int64_t n);                             \
     void ops_gelu_##sfx(float *y, const float *x, int64_t n);                               \
     void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t h0,   \
                              int64_t nh);

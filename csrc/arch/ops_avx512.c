@@ -41,9 +41,6 @@ static inline vf vpow2i(vf n) {
 #define vswap_pairs(v) _mm512_permute_ps(v, 0xB1)
 #define vhsum _mm512_reduce_add_ps
 #define vhmax _mm512_reduce_max_ps
-static inline void vhsum8(float *out, const vf *v) {
-    for (int u = 0; u < 8; u++) out[u] = _mm512_reduce_add_ps(v[u]);
-}
 
 /* r[0..15] := its transpose (r[i][j] <-> r[j][i]): unpack pairs, then 4x4 blocks, then the
  * 128-bit lanes twice */
