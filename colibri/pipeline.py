@@ -86,6 +86,14 @@ class _Routed:
     mixes: list[Any] | None = None
 
 
+def _rows_view(slots: np.ndarray) -> np.ndarray:
+    """slots f32 [n, k, d_model] as a [n * k, d_model] view (never a copy: raises if it would
+    need one)."""
+    v = slots.view()
+    v.shape = (-1, slots.shape[-1])
+    return v
+
+
 class Pipeline:
     """Runs forward passes of `model`, fetching routed experts through `cache`.
 
@@ -608,31 +616,38 @@ class Pipeline:
         to its sequence's slot [token, choice]."""
         order = np.argsort([e for e, _ in batch], kind="stable")
         es = np.array([batch[j][0] for j in order])
-        hs, ws, ranks, where = [], [], [], []
-        for s, (h, ids, weights) in enumerate(routed):
+        toks, ws, ranks, dest = [], [], [], []
+        for s, (_, ids, weights) in enumerate(routed):
             tok, sl = np.nonzero(np.isin(ids, es))
             if not len(tok):
                 continue
-            hs.append(h[tok])
+            toks.append((s, tok))
             ws.append(weights[tok, sl])
             ranks.append(np.searchsorted(es, ids[tok, sl]))
-            where.append((s, tok, sl))
-        if not hs:
+            dest.append((s, tok * ids.shape[1] + sl))  # row of slots[s] as [n * k, d_model]
+        if not toks:
             return
         rank = np.concatenate(ranks)
         perm = np.argsort(rank, kind="stable")  # rows grouped by expert, in batch order
         row_off = np.zeros(len(es) + 1, dtype=np.int64)
         np.cumsum(np.bincount(rank, minlength=len(es)), out=row_off[1:])
-        h = np.concatenate(hs)[perm]
-        w = np.concatenate(ws)[perm]
-        y = np.empty_like(h)
-        y[perm] = self.model.expert_ffn_group(
-            [batch[j][1].buffer for j in order], h, w, row_off, layer=i
+        if len(toks) == 1:  # one gather of the rows in expert order (long prefills: 64 MB)
+            (s, tok), d = toks[0], dest[0][1]
+            h = np.take(routed[s][0], tok[perm], axis=0)
+        else:
+            h = np.concatenate([routed[s][0][tok] for s, tok in toks])[perm]
+        y = self.model.expert_ffn_group(
+            [batch[j][1].buffer for j in order], h, np.concatenate(ws)[perm], row_off, layer=i
         )
-        r = 0
-        for s, tok, sl in where:
-            slots[s][tok, sl] = y[r : r + len(tok)]
-            r += len(tok)
+        # y's row r is the batch's row perm[r]: straight to its sequence's slot
+        if len(toks) == 1:
+            _rows_view(slots[dest[0][0]])[d[perm]] = y
+            return
+        seq = np.concatenate([np.full(len(d), s) for s, d in dest])[perm]
+        flat = np.concatenate([d for _, d in dest])[perm]
+        for s, _ in dest:
+            mine = seq == s
+            _rows_view(slots[s])[flat[mine]] = y[mine]
 
     def _expert_stacked(
         self,

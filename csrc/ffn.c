@@ -19,10 +19,22 @@
 #include "pool.h"
 #include "quant.h"
 #include "kquants.h"
+#include "ops_internal.h"
 
 /* h = act(g, u) for columns [c0, c1) of n rows of stride ld. Formulas: colibri.h. */
 static void ffn_act(float *g, const float *u, int64_t ld, int64_t n, int64_t c0, int64_t c1,
                     int act, float alpha, float limit) {
+    if (act == CLB_ACT_SILU) { /* in SIMD (ops_simd.inc), the scalar formula below at SCALAR */
+        const int isa = clb_isa_get();
+        for (int64_t i = 0; i < n; i++) {
+            float *gi = g + i * ld + c0;
+            const float *ui = u + i * ld + c0;
+            if (isa == CLB_ISA_AVX512) ops_swiglu_avx512(gi, ui, c1 - c0);
+            else if (isa == CLB_ISA_AVX2) ops_swiglu_avx2(gi, ui, c1 - c0);
+            else ops_swiglu_ref(gi, ui, c1 - c0);
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         float *gi = g + i * ld;
         const float *ui = u + i * ld;

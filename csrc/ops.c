@@ -75,6 +75,11 @@ void ops_silu_ref(float *y, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
 }
 
+/* g = silu(g) * u: the SwiGLU of an expert FFN's gate and up rows (ffn.c). */
+void ops_swiglu_ref(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 void ops_gelu_ref(float *y, const float *x, int64_t n) {
     const float k = 0.7978845608028654f;

@@ -38,7 +38,7 @@ struct ops_attn {
  * OPS_ATTN_HEADS heads and OPS_ATTN_ENTRIES (row, head) pairs: each K/V row it loads serves
  * all of them. Keys are scored OPS_ATTN_KEYS at a time (scores on the stack). */
 #define OPS_ATTN_HEADS 8
-#define OPS_ATTN_ENTRIES 16
+#define OPS_ATTN_ENTRIES 128
 #define OPS_ATTN_KEYS 32
 /* values a block of ops_logsumexp sums in f32 lanes before adding the block to an f64 sum */
 #define OPS_LSE_BLOCK 256
@@ -54,6 +54,7 @@ struct ops_attn {
     void ops_softmax_##sfx(float *x, int64_t n, int64_t d);                                 \
     void ops_logsumexp_##sfx(double *out, const float *x, int64_t n, int64_t d);           \
     void ops_silu_##sfx(float *y, const float *x, int64_t n);                               \
+    void ops_swiglu_##sfx(float *g, const float *u, int64_t n);                             \
     void ops_gelu_##sfx(float *y, const float *x, int64_t n);                               \
     void ops_attn_tile_##sfx(const struct ops_attn *a, int64_t i0, int64_t nr, int64_t h0,   \
                              int64_t nh);

@@ -113,6 +113,34 @@ def test_prefill_equals_decode_steps(isa):
 
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("window", "sinks"), [(0, False), (45, True)])
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "dk"), [(8, 2, 64), (6, 1, 40), (3, 3, 24)])
+def test_rows_identical_in_any_chunking(isa, kv_dtype, window, sinks, n_heads, n_kv_heads, dk):
+    """A query row's output bits do not depend on which rows share its call (batch invariance
+    over many 32-key blocks and tile shapes): one prefill of 150 rows, the same rows in chunks
+    of 1, 7 and 64, and one row alone at each of several positions."""
+    rng = np.random.default_rng(11)
+    n = 150
+    q, k, v, s = make(rng, n, n, n_heads, n_kv_heads, dk, dk, kv_dtype, sinks)
+    whole = run(q, k, v, n, 0, 0.15, window, s)
+    np.testing.assert_allclose(whole, ref.attention(q, k, v, n, 0, 0.15, window, s), **ATTN_TOL)
+    for chunk in (1, 7, 64):
+        for p0 in range(0, n, chunk):
+            p1 = min(n, p0 + chunk)
+            part = run(q[p0:p1], k, v, p1, p0, 0.15, window, s)
+            np.testing.assert_array_equal(part, whole[p0:p1], err_msg=f"chunk {chunk} at {p0}")
+
+
+def test_mixtral_shape_long_prefill(isa):
+    """Mixtral's heads (32 query heads over 8 KV heads of 128) over 600 positions, a prefill
+    continuing a cached prefix, on two threads: the numpy reference within ATTN_TOL."""
+    rng = np.random.default_rng(12)
+    q, k, v, _ = make(rng, 344, 600, 32, 8, 128, 128, np.float32)
+    got = run(q, k, v, 600, 256, 128**-0.5, nthreads=2)
+    np.testing.assert_allclose(got, ref.attention(q, k, v, 600, 256, 128**-0.5), **ATTN_TOL)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("window", [0, 6])
 def test_matches_torch_sdpa(kv_dtype, window):
     import torch

@@ -56,15 +56,24 @@ static inline float vhmax(vf v) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
-/* out[u] = horizontal sum of v[u], u < 8: a tree of hadds (7 adds for all eight) */
-static inline void vhsum8(float *out, const vf *v) {
-    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-    /* ab = (v0..v3 summed over their low 128 bits | over their high 128 bits), cd: v4..v7 */
-    const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20);
-    const __m256 hi = _mm256_permute2f128_ps(ab, cd, 0x31);
-    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+
+/* r[0..7] := its transpose (r[i][j] <-> r[j][i]) */
+static inline void vtranspose(vf *r) {
+    vf t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
 }
 
 #include "ops_simd.inc"

@@ -41,8 +41,31 @@ static inline vf vpow2i(vf n) {
 #define vswap_pairs(v) _mm512_permute_ps(v, 0xB1)
 #define vhsum _mm512_reduce_add_ps
 #define vhmax _mm512_reduce_max_ps
-static inline void vhsum8(float *out, const vf *v) {
-    for (int u = 0; u < 8; u++) out[u] = _mm512_reduce_add_ps(v[u]);
+
+/* r[0..15] := its transpose (r[i][j] <-> r[j][i]): unpack pairs, then 4x4 blocks, then the
+ * 128-bit lanes twice */
+static inline void vtranspose(vf *r) {
+    vf t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
 }
 
 #include "ops_simd.inc"
