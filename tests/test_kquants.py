@@ -154,6 +154,37 @@ def test_fp8_matvec_q8_every_code_vs_torch(isa):
         assert abs(y3[i, 0] - want) <= 1e-5 * (np.abs(w[0]) @ np.abs(xd[i]))
 
 
+@pytest.mark.parametrize("rows,cols", [(7, 224), (10, 352), (5, 192), (13, 128)])
+def test_fp8_q8_gemm_tiles_same_bits_as_scalar_twin(isa, rows, cols):
+    """FP8 on Q8_0 batches (arch/kquants_simd.inc kq_fp8_gemm: tiles of 3-4 weight rows x 4 x
+    rows over 128-column blocks, a last block 32 / 64 / 96 wide): every x-row tail (n = 2..7,
+    past one 64-row chunk: 65, 67), ragged row tiles and a row holding a NaN code give the
+    scalar twin's bits, and they stay within MATMUL_TOL of float64 torch-decoded weights."""
+    rng = np.random.default_rng(rows * 7 + cols)
+    codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN code but in the last row
+    codes[-1, cols // 2] = 0xFF
+    scales = rng.uniform(0.01, 4, (1, -(-cols // 128))).astype(np.float32)
+    packed = fmt.fp8_rows(codes, np.repeat(scales, -(-rows // 128), axis=0))
+    w = torch.from_numpy(codes).view(torch.float8_e4m3fn).double().numpy()
+    w *= np.repeat(scales[0], 128)[:cols]
+    for n in (2, 3, 4, 5, 7, 65, 67):
+        x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+        xq = ops.quantize_act(x)
+        y = ops.matmul_q8(packed, "fp8", xq, np.full((n, rows), np.nan, np.float32))
+        level = ops.isa()
+        ops.set_isa(ops.ISA.SCALAR)
+        try:
+            want = ops.matmul_q8(packed, "fp8", xq, np.full((n, rows), np.nan, np.float32))
+        finally:
+            ops.set_isa(level)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        assert np.isnan(y[:, -1]).all() and not np.isnan(y[:, :-1]).any()
+        np.testing.assert_array_equal(y.view(np.uint32)[:, :-1], want.view(np.uint32)[:, :-1])
+        xd = ref.dequantize(xq, int(ops.QType.Q8_0), x.shape)
+        assert matmul_err(y[:, :-1], ref.matmul(w[:-1], xd), xd, w[:-1]) <= MATMUL_TOL, n
+
+
 @pytest.mark.parametrize("rows,cols", [(200, 300), (128, 128), (1, 77), (257, 129)])
 def test_fp8_hub_layout_roundtrip(rows, cols):
     """DeepSeek-V3's weight (e4m3) + weight_scale_inv (128x128 blocks, ragged edges) -> store
