@@ -33,3 +33,44 @@ def test_requantize_equals_convert(tmp_path, qtype, dense):
         types.add(qx)
     assert a.dense("lm_head.weight")[1] == dense
     assert types == {"f32"} | {dense}
+
+
+def test_speed_rows_real_layer_store(tmp_path, monkeypatch):
+    """_speed_rows measures a real-layer-shape store in core and with a third of its
+    experts' bytes cached, and its row's ratios are the measured figures' quotients."""
+    from types import SimpleNamespace
+
+    from colibri.bench import sec_quality
+
+    src = hf_models.save(hf_models.build("mixtral", seed=1), tmp_path / "hf")
+    store = convert(src, tmp_path / "q4", quant="q4_0", dense_quant="q8_0", show_progress=False)
+    calls = []
+    rng = np.random.default_rng(0)
+
+    async def fake(path, text, docs, *, threads, budget=None, rounds=3):
+        calls.append((path, budget, len(docs)))
+        r = {k: float(v) for k, v in zip(FIELDS, rng.uniform(1, 100, len(FIELDS)), strict=True)}
+        return {**r, "hellaswag_acc": 0.25}
+
+    monkeypatch.setattr(sec_quality, "eval_speed", fake)
+    ctx = SimpleNamespace(quick=True, threads=1, log=lambda m: None)
+    rows, data, n = sec_quality._speed_rows(ctx, {}, tmp_path, "text", store)
+    third = sum(r.nbytes for r in open_store(store).records) // 3
+    assert third > 0
+    assert calls == [(store, None, n), (store, third, n)]
+    assert len(rows) == 2 and rows[0][2] == "in core" and rows[1][2] == "1/3 of experts cached"
+    r = data["real/dense q8_0/in core"]
+    assert rows[0][5] == f"{r['ppl_fused'] / r['prefill']:.2f}"
+    assert rows[0][11] == f"{r['ppl_fused_cpu'] / r['prefill_cpu']:.2f}"
+    assert "layers" in rows[0][0]
+
+
+FIELDS = [
+    f"{a}{b}"
+    for a in ("prefill", "ppl_fused", "hellaswag_fused", "hellaswag_split")
+    for b in ("", "_cpu", "_head", "_lse", "_rest_cpu")
+] + [
+    "bytes_per_token_prefill",
+    "bytes_per_token_ppl_fused",
+    "bytes_per_token_hellaswag_fused",
+]
