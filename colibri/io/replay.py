@@ -356,7 +356,7 @@ def load_trace(path: str) -> RoutingTrace:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from colibri.options import queue_depth, whole
+    from colibri.options import queue_depth
 
     p.add_argument("trace", help="routing trace: colibri .npz or the Mixtral JSONL")
     p.add_argument("--store", help="model store (default: a synthetic file of records)")
@@ -372,7 +372,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="where the synthetic experts file goes (a disk, not tmpfs)",
     )
     p.add_argument("--budget", type=parse_nbytes, help="cache budget in bytes (e.g. 2G)")
-    p.add_argument("--budget-records", type=whole(1), help="cache budget in records")
+    p.add_argument("--budget-records", type=int, help="cache budget in records")
     p.add_argument("--policy", choices=POLICIES, default="nextuse")
     p.add_argument("--prefetch", choices=("none", "oracle", "repeat"), default="none")
     p.add_argument("--io", choices=("auto", "uring", "threads", "mmap"), default="auto")
@@ -383,7 +383,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip record checksums (default: each record checked on its first read)",
     )
-    p.add_argument("--max-tokens", type=whole(1))
+    p.add_argument("--max-tokens", type=int)
     p.add_argument(
         "--offline",
         action="store_true",
