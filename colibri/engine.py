@@ -38,7 +38,7 @@ from colibri.io.stack import open_expert_cache
 from colibri.model import KVCache, Model
 from colibri.pipeline import Pipeline
 from colibri.prefix_cache import PrefixCache
-from colibri.registry import model_spec
+from colibri.registry import store_spec
 from colibri.sampling import SamplingParams
 from colibri.scheduler import Generation, GenerationStatistics, Scheduler, Token
 from colibri.tokenizer import Tokenizer
@@ -314,7 +314,7 @@ class Engine:
 
     def __init__(self, store: Store, options: EngineOptions):
         self.store, self.options = store, options
-        self.spec = model_spec(store.config)
+        self.spec = store_spec(store)
         self.n_ctx = min(options.n_ctx, self.spec.max_position_embeddings)
         self._check_kv_fits(self.n_ctx)
         self.model = Model(

@@ -53,3 +53,18 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
         return fam.model_spec(fam.resolve_config(config))
     except (KeyError, ValueError, TypeError) as exc:
         raise StoreError(f"config of {fam.model_type} model: {exc}") from exc
+
+
+def store_spec(store: Any) -> ModelSpec:
+    """The ModelSpec of an opened store's config. Raises StoreError when the manifest's
+    top-level `model_type` and its config's name different families (a hand-edited or
+    mixed-up manifest: the engine reads the config, the GGUF export the top level)."""
+    top, inner = store.model_type, store.config.get("model_type")
+    if inner is None:  # a config without its model_type: the manifest's names the family
+        return model_spec({**store.config, "model_type": top})
+    if family(top) is not family(inner):
+        raise StoreError(
+            f"{store.path}/manifest.json: model_type {top!r} but config.model_type {inner!r}: "
+            f"the two must name the same family"
+        )
+    return model_spec(store.config)

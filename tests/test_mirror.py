@@ -83,6 +83,9 @@ def test_refusals(demo, tmp_path):
         open_mirror(demo, tmp_path / "m")
     with pytest.raises(StoreError, match="is the store itself"):
         write_mirror(demo, DEMO_STORE)
+    with pytest.raises(StoreError, match=r"neither it nor its parent .* exists"):
+        write_mirror(demo, tmp_path / "unmounted" / "m")
+    assert not (tmp_path / "unmounted").exists()
     (tmp_path / "m" / "mirror.json").write_text("{")
     res = subprocess.run(
         [sys.executable, "-m", "colibri", "run", "-n", "2", "--mirror", str(tmp_path / "m")],

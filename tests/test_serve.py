@@ -214,6 +214,11 @@ def test_anthropic_messages(server, engine):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=-3, messages=msgs)
     assert e.value.body["error"]["type"] == "invalid_request_error"
+    bad_use = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                  "input": [1, 2]}]}]  # fmt: skip
+    with pytest.raises(anthropic.BadRequestError, match="input must be an object"):
+        client.messages.create(model=MODEL, max_tokens=2, messages=bad_use)
 
 
 def test_bad_requests_get_4xx_and_the_server_goes_on(server, oai):
@@ -242,6 +247,12 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, oai):
         oai.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=2)
+    for args in ("[1, 2]", '"text"', "{not json"):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+        msgs = [*CHAT, {"role": "assistant", "tool_calls": [call]}]
+        with pytest.raises(openai.BadRequestError, match="arguments") as e:
+            oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+        assert e.value.body["param"] == f"messages.{len(CHAT)}.tool_calls"
     ok = oai.completions.create(model=MODEL, prompt="a", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
     assert server.wait_idle()["leased"] == 0

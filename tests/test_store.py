@@ -338,3 +338,16 @@ def test_synthetic_routing_reproduces_real_expert_popularity():
     assert np.abs(got - pop[3]).mean() < 0.02, np.abs(got - pop[3]).mean()
     assert np.abs(before - pop[3]).mean() > 0.05
     assert got.max() > 0.8 and abs(got.max() - pop[3].max()) < 0.05
+
+
+def test_manifest_model_type_must_name_the_configs_family(tmp_path, capsys):
+    from colibri.registry import store_spec
+
+    path, _, _ = make_store(tmp_path / "s")
+    assert store_spec(open_store(path)).model_type == "qwen3_moe"
+    _edit_manifest(path, lambda m: m["config"].update(model_type="mixtral"))
+    want = r"manifest\.json: model_type 'qwen3_moe' but config\.model_type 'mixtral'"
+    with pytest.raises(StoreError, match=want):
+        store_spec(open_store(path))
+    assert main(["run", str(path), "-n", "1"]) == 1
+    assert "the two must name the same family" in capsys.readouterr().err  # the engine checks

@@ -87,13 +87,21 @@ def open_mirror(store: Any, directory: str | os.PathLike[str]) -> Mirror:
 
 
 def write_mirror(store: Any, directory: str | os.PathLike[str], log_to: Any = None) -> Mirror:
-    """Copy the store's experts file into `directory` (created if needed), verify the copy
-    byte for byte after dropping it from the page cache, check every record's checksum in
-    it, then rename it into place and write mirror.json. Returns the Mirror.
-    Raises StoreError when the copy differs (the temporary is removed) or the directory is
-    the store's own."""
+    """Copy the store's experts file into `directory` (created if its parent exists: a
+    mistyped or unmounted drive path is refused, not silently made on the root disk),
+    verify the copy byte for byte after dropping it from the page cache, check every
+    record's checksum in it, then rename it into place and write mirror.json. Returns the
+    Mirror.
+    Raises StoreError when the copy differs (the temporary is removed), the directory is
+    the store's own, or neither it nor its parent exists."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    if not d.is_dir():
+        if not d.parent.is_dir():
+            raise StoreError(
+                f"{d}: neither it nor its parent {d.parent} exists (is the drive mounted?); "
+                f"create the directory first"
+            )
+        d.mkdir()
     if d.resolve() == Path(store.path).resolve():
         raise StoreError(f"{d}: is the store itself; a mirror goes to another drive")
     name = Path(store.experts_path).name

@@ -53,6 +53,10 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         for b in m.content:
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "tool_use":
+                if not isinstance(b.get("input", {}), dict):
+                    raise APIError(
+                        400, f"{where}: a tool_use block's input must be an object", param=where
+                    )
                 calls.append(
                     {
                         "id": b.get("id"),

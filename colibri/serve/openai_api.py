@@ -294,6 +294,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                             400, f"messages[{i}].tool_calls: arguments are not JSON",
                             param=f"messages.{i}.tool_calls",
                         ) from None  # fmt: skip
+                if not isinstance(args, dict):
+                    raise APIError(
+                        400, f"messages[{i}].tool_calls: arguments must be a JSON object, "
+                        f"not {type(args).__name__}", param=f"messages.{i}.tool_calls",
+                    )  # fmt: skip
                 calls.append(
                     {
                         "id": c.id,
