@@ -22,6 +22,13 @@ Scenarios:
   than its dense weights, expert budget and KV caches; llama-server --no-repack (its default
   Q4_0 repack copies the weights into anonymous memory and is OOM-killed) in a cgroup of the
   same limit, its GGUF's cached pages dropped first.
+Fairness of the pair: the same blocks (the GGUF is exported from the store), the same token-id
+prompts and token counts (greedy, ignore_eos; both return the same text), 8 slots of CTX
+tokens each, the same warm-up. Threads: llama-server gets its fastest count by llama-bench
+(llama_threads); under a shared machine's load its spinning barriers make 2 threads of 2 cores
+2.5-10x slower than 1 (measured here at load 4-8: 4 clients 7-16 tok/s at 2 threads, 38-54 at
+1), so when that count is below colibri's, colibri runs once more at the peer's count ("as
+llama-server"), the like-for-like pair; the CPU time per token is compared as well.
 Realistic routing, out of core (OLMoE shape, "OLMoE routing"): random routers spread a
 batch's tokens over nearly every expert, which no trained model does; a second store
 (tools/synth_store.py --routing ROUTING_DOMAIN) has routers calibrated on the engine's own
@@ -196,10 +203,11 @@ class Server(HttpServer):
 
     name = "colibri"
 
-    def __init__(self, ctx: Context, store: Path, *extra: str, limit: int | None = None) -> None:
+    def __init__(self, ctx: Context, store: Path, *extra: str, limit: int | None = None,
+                 threads: int | None = None) -> None:  # fmt: skip
         cmd = [sys.executable, "-m", "colibri", "serve", str(store), "--port", str(self.port),
-               "--parallel", str(PARALLEL), "--max-queue", "64", "--threads", str(ctx.threads),
-               *extra]  # fmt: skip
+               "--parallel", str(PARALLEL), "--max-queue", "64", "--threads",
+               str(threads or ctx.threads), *extra]  # fmt: skip
         super().__init__(ctx, cmd, limit)
 
 
@@ -390,10 +398,13 @@ def olmoe_scenarios(
             ctx.log(notes[-1])
         scenarios = []
         if in_ram:
-            scenarios += [
-                ("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)),
-                ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt)),
-            ]  # fmt: skip
+            scenarios.append(("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)))
+            if have_llama and lt != ctx.threads:  # the same threads as the peer: a fair pair
+                scenarios.append((same_threads_scenario(lt),
+                                  lambda: Server(ctx, ooc, *eng, threads=lt)))  # fmt: skip
+            scenarios.append(
+                ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt))
+            )
         for frac in budgets:
             budget = int(total * frac)
             limit = limits[frac] = dense + budget + kv + LIMIT_MARGIN
@@ -421,6 +432,11 @@ def olmoe_scenarios(
         notes.append(f"OLMoE-shape scenarios failed: {exc!r}")
         ctx.log(notes[-1])
     return rows, limits
+
+
+def same_threads_scenario(threads: int) -> str:
+    """The in-RAM colibri row run at llama-server's thread count (when it differs)."""
+    return f"OLMoE shape, in RAM: colibri, {threads} thread{'s' * (threads > 1)} as llama-server"
 
 
 def budget_label(frac: float) -> str:
@@ -558,6 +574,19 @@ def run(ctx: Context) -> Section:
                 f"serve OLMoE shape {where}, 4 clients: colibri / llama-server", "× tok/s",
                 c["tok_s"] / peer["tok_s"], target=target,
             ))  # fmt: skip
+            same = next((r for (sc, n), r in by.items()
+                         if n == 4 and where == "in RAM" and sc.endswith("as llama-server")),
+                        None)  # fmt: skip
+            if same:
+                heads.append(Headline(
+                    f"serve OLMoE shape {where}, 4 clients, the same threads: colibri / "
+                    "llama-server", "× tok/s", same["tok_s"] / peer["tok_s"], target=target,
+                ))  # fmt: skip
+            if c.get("cpu_ms_per_token") and peer.get("cpu_ms_per_token"):
+                heads.append(Headline(
+                    f"serve OLMoE shape {where}, 4 clients: llama-server / colibri CPU time per "
+                    "token", "×", peer["cpu_ms_per_token"] / c["cpu_ms_per_token"],
+                ))  # fmt: skip
     four = next((r for r in sharing if r["streams"] == 4 and r["budget"] == 0.25), None)
     if four:
         heads.append(Headline("real routing, 4 streams, budget 1/4: reads/token serial / batched",
