@@ -195,6 +195,8 @@ def test_prefix_cache_budget_evicts_oldest_blocks():
         EngineOptions(max_running=0)
     with pytest.raises(ColibriError, match="batch"):
         EngineOptions(batch="stacked")
+    with pytest.raises(ColibriError, match="verify"):
+        EngineOptions(verify="always")
 
 
 async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
@@ -222,6 +224,31 @@ async def test_expert_aware_admission_keeps_the_working_set_in_the_cache():
         assert max(r for r, _ in seen) == 1 and max(q for _, q in seen) >= 1
     async with open_engine(DEMO, io="threads", max_running=8) as eng:  # every expert fits
         assert eng.scheduler.capacity() == 8
+
+
+@pytest.mark.parametrize("verify", ["once", True, False])
+async def test_verify_hashes_a_record_on_its_first_read_or_on_every_read(verify, monkeypatch):
+    """A small budget re-reads evicted records: verify="once" (the default) hashes each record
+    the first time only, True every read, False never (counted at Store.verify_record)."""
+    from colibri.io.format import Store, open_store
+
+    checked = []
+    real = Store.verify_record
+    monkeypatch.setattr(
+        Store,
+        "verify_record",
+        lambda self, r, b: (checked.append((r.layer, r.expert)), real(self, r, b)),
+    )
+    rec = open_store(DEMO).layout.record_nbytes
+    opts = {} if verify == "once" else {"verify": verify}
+    async with open_engine(DEMO, io="threads", budget=10 * rec, prefetch=False, **opts) as eng:
+        await _run(eng, PROMPTS[0], max_tokens=12, temperature=0)
+        reads = eng.statistics(components=False).reads
+    assert reads > len(set(checked)) > 0 or verify is False
+    want = {"once": len(set(checked)), True: reads, False: 0}[verify]
+    assert len(checked) == want
+    if verify == "once":
+        assert len(checked) == len(set(checked)) < reads
 
 
 @pytest.mark.parametrize("batch", ["split", "fused"])

@@ -258,6 +258,51 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, oai):
     assert server.wait_idle()["leased"] == 0
 
 
+def test_max_tokens_beyond_the_context_is_a_400_naming_it(server, oai):
+    # vLLM's answer: 400, "'max_tokens' or 'max_completion_tokens' is too large: N. This
+    # model's maximum context length is C tokens and your request has P input tokens
+    # (N > C - P)", the field as param; a chat that asks for nothing runs to the context's
+    # end and finishes with "length"
+    n_ctx = server.service.engine.n_ctx
+    prompt = [(i * 7) % 1500 + 20 for i in range(n_ctx - 10)]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=11)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "max_tokens", err
+    assert err["type"] == "invalid_request_error"
+    msg = err["message"]
+    assert "is too large: 11." in msg and f"(11 > {n_ctx} - {n_ctx - 10})" in msg, err
+    ok = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 10
+    # max_tokens not given: the default 16 shrinks to the 10 tokens the context leaves
+    dflt = oai.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert dflt.choices[0].finish_reason == "length" and dflt.usage.completion_tokens == 10
+    msgs = [{"role": "user", "content": "a " * 2000}]
+    while len(ids := server.service.engine.encode_prompt(msgs)) > n_ctx - 6:
+        msgs[0]["content"] = msgs[0]["content"][: -2 * max(1, len(ids) - (n_ctx - 6))]
+    room = n_ctx - len(ids)
+    assert 0 < room <= 6
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=msgs, **{field: room + 1})
+        assert e.value.body["param"] == field and f"{field}' is too large" in str(e.value)
+    for stream in (False, True):
+        kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r = oai.chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, extra_body={"ignore_eos": True}, **kw
+        )
+        chunks = list(r) if stream else [r]
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == "length"
+        assert chunks[-1].usage.prompt_tokens == len(ids)
+        assert chunks[-1].usage.completion_tokens == room
+    assert server.wait_idle()["leased"] == 0
+
+
 def test_disconnect_cancels_the_sequence(server):
     body = {"model": MODEL, "prompt": "The for statement", "max_tokens": 900, "stream": True,
             "temperature": 0.9, "seed": 1, "ignore_eos": True}  # fmt: skip

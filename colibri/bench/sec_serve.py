@@ -22,6 +22,13 @@ Scenarios:
   than its dense weights, expert budget and KV caches; llama-server --no-repack (its default
   Q4_0 repack copies the weights into anonymous memory and is OOM-killed) in a cgroup of the
   same limit, its GGUF's cached pages dropped first.
+Fairness of the pair: the same blocks (the GGUF is exported from the store), the same token-id
+prompts and token counts (greedy, ignore_eos; both return the same text), 8 slots of CTX
+tokens each, the same warm-up. Threads: llama-server gets its fastest count by llama-bench
+(llama_threads); under a shared machine's load its spinning barriers make 2 threads of 2 cores
+2.5-10x slower than 1 (measured here at load 4-8: 4 clients 7-16 tok/s at 2 threads, 38-54 at
+1), so when that count is below colibri's, colibri runs once more at the peer's count ("as
+llama-server"), the like-for-like pair; the CPU time per token is compared as well.
 Realistic routing, out of core (OLMoE shape, "OLMoE routing"): random routers spread a
 batch's tokens over nearly every expert, which no trained model does; a second store
 (tools/synth_store.py --routing ROUTING_DOMAIN) has routers calibrated on the engine's own
@@ -74,7 +81,14 @@ OOC_BUDGETS = (0.25, 0.75)  # expert budgets out of core, fractions of the exper
 ROUTING_DOMAIN = "arxiv"  # the realistic-routing store's OLMoE text domain (module docstring)
 CTX = 512  # context per sequence (llama-server: -c PARALLEL * CTX)
 TIME_CAP = 240.0  # seconds a load test may send requests for
-LIMIT_MARGIN = 448 << 20  # interpreter, FastAPI, buffers: colibri's RSS beyond weights and KV
+# interpreter, FastAPI, buffers: colibri's memory beyond dense weights, expert budget and KV,
+# over 2x what it measured (cgroup peak - the three, page cache included: 83 MiB at both
+# budgets under a 448 MiB margin, 20-40 MiB under this one, quick mode; the notes report it
+# each run). A margin far above it is memory llama-server gets for its page cache and
+# colibri leaves unused: at 448 MiB, llama-server's whole GGUF fit under the 1/4-budget limit
+# (peak 797 MiB of 928) and its "out of core" row ran in RAM; at 192 MiB its peak is the
+# limit (672 MiB) and 4 clients ran 5.4 tok/s against colibri's 27.7.
+LIMIT_MARGIN = 192 << 20
 TRACE = (
     ROOT.parent
     / "shared"
@@ -196,10 +210,11 @@ class Server(HttpServer):
 
     name = "colibri"
 
-    def __init__(self, ctx: Context, store: Path, *extra: str, limit: int | None = None) -> None:
+    def __init__(self, ctx: Context, store: Path, *extra: str, limit: int | None = None,
+                 threads: int | None = None) -> None:  # fmt: skip
         cmd = [sys.executable, "-m", "colibri", "serve", str(store), "--port", str(self.port),
-               "--parallel", str(PARALLEL), "--max-queue", "64", "--threads", str(ctx.threads),
-               *extra]  # fmt: skip
+               "--parallel", str(PARALLEL), "--max-queue", "64", "--threads",
+               str(threads or ctx.threads), *extra]  # fmt: skip
         super().__init__(ctx, cmd, limit)
 
 
@@ -390,10 +405,13 @@ def olmoe_scenarios(
             ctx.log(notes[-1])
         scenarios = []
         if in_ram:
-            scenarios += [
-                ("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)),
-                ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt)),
-            ]  # fmt: skip
+            scenarios.append(("OLMoE shape, in RAM: colibri", lambda: Server(ctx, ooc, *eng)))
+            if have_llama and lt != ctx.threads:  # the same threads as the peer: a fair pair
+                scenarios.append((same_threads_scenario(lt),
+                                  lambda: Server(ctx, ooc, *eng, threads=lt)))  # fmt: skip
+            scenarios.append(
+                ("OLMoE shape, in RAM: llama-server", lambda: LlamaServer(ctx, gguf, threads=lt))
+            )
         for frac in budgets:
             budget = int(total * frac)
             limit = limits[frac] = dense + budget + kv + LIMIT_MARGIN
@@ -415,12 +433,30 @@ def olmoe_scenarios(
                 ),
             ))  # fmt: skip
         for name, start in scenarios:
-            if have_llama or "llama" not in name:
-                rows += _scenario(ctx, name, start, plan, 50304)
+            if not have_llama and "llama" in name:
+                continue
+            ran = _scenario(ctx, name, start, plan, 50304)
+            rows += ran
+            peak = ran[0].get("cgroup_peak_bytes") if ran else None
+            frac = next((f for f in budgets if f"core {budget_label(f)}:" in name), None)
+            if peak and frac is not None:
+                mib = 2**20
+                note = f"{name}: cgroup peak {peak / mib:.0f} MiB of {limits[frac] / mib:.0f}"
+                if name.endswith(": llama-server"):
+                    note += f" (its GGUF: {gguf.stat().st_size / mib:.0f} MiB)"
+                else:
+                    over = peak - (limits[frac] - LIMIT_MARGIN)
+                    note += f" = dense + KV + expert budget + {over / mib:.0f} MiB"
+                notes.append(note)
     except Exception as exc:  # the in-RAM figures still count
         notes.append(f"OLMoE-shape scenarios failed: {exc!r}")
         ctx.log(notes[-1])
     return rows, limits
+
+
+def same_threads_scenario(threads: int) -> str:
+    """The in-RAM colibri row run at llama-server's thread count (when it differs)."""
+    return f"OLMoE shape, in RAM: colibri, {threads} thread{'s' * (threads > 1)} as llama-server"
 
 
 def budget_label(frac: float) -> str:
@@ -558,6 +594,19 @@ def run(ctx: Context) -> Section:
                 f"serve OLMoE shape {where}, 4 clients: colibri / llama-server", "× tok/s",
                 c["tok_s"] / peer["tok_s"], target=target,
             ))  # fmt: skip
+            same = next((r for (sc, n), r in by.items()
+                         if n == 4 and where == "in RAM" and sc.endswith("as llama-server")),
+                        None)  # fmt: skip
+            if same:
+                heads.append(Headline(
+                    f"serve OLMoE shape {where}, 4 clients, the same threads: colibri / "
+                    "llama-server", "× tok/s", same["tok_s"] / peer["tok_s"], target=target,
+                ))  # fmt: skip
+            if c.get("cpu_ms_per_token") and peer.get("cpu_ms_per_token"):
+                heads.append(Headline(
+                    f"serve OLMoE shape {where}, 4 clients: llama-server / colibri CPU time per "
+                    "token", "×", peer["cpu_ms_per_token"] / c["cpu_ms_per_token"],
+                ))  # fmt: skip
     four = next((r for r in sharing if r["streams"] == 4 and r["budget"] == 0.25), None)
     if four:
         heads.append(Headline("real routing, 4 streams, budget 1/4: reads/token serial / batched",

@@ -165,11 +165,13 @@ async def completions(service: Service, request: Request, body: Any) -> Any:
     if req.logprobs:
         sampling["logprobs"] = req.logprobs
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if "max_tokens" not in req.model_fields_set:  # the default 16: what the context leaves
+        max_tokens = min(max_tokens, service.engine.n_ctx - len(ids))
     if req.echo:
         return await _echo(service, request, req, ids, max_tokens, sampling)
     if max_tokens == 0:
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
-    service.check(max_tokens, sampling)
+    service.check(max_tokens, sampling, len(ids))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     lp = _Logprobs(service) if req.logprobs is not None else None
     head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
@@ -223,7 +225,7 @@ async def _echo(
     if req.stream:
         raise APIError(400, "echo is not supported with stream", param="echo")
     if max_tokens:
-        service.check(max_tokens, sampling)
+        service.check(max_tokens, sampling, len(ids))
     scored = await service.score(ids, req.logprobs or 0)
     toks = await collect(service, request, ids, max_tokens, sampling) if max_tokens else []
     tok = service.engine.tokenizer
@@ -335,8 +337,10 @@ async def chat_completions(service: Service, request: Request, body: Any) -> Any
     sampling = req.sampling()
     if req.logprobs:
         sampling["logprobs"] = req.top_logprobs or 0
+    # not given: up to the end of the context (finish_reason "length" there)
     max_tokens = req.max_completion_tokens or req.max_tokens or service.engine.n_ctx - len(ids)
-    service.check(max_tokens, sampling)
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    service.check(max_tokens, sampling, len(ids), param)
     parser = tool_parsing.parser_for(service.engine, tools)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     lp = _Logprobs(service) if req.logprobs else None

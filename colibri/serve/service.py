@@ -117,9 +117,26 @@ class Service:
             )
         return ids
 
-    def check(self, max_tokens: int, sampling: dict[str, Any]) -> None:
-        """Before a response starts: APIError 400 for bad sampling values (naming the field),
-        429 when the queue is full."""
+    def check(
+        self,
+        max_tokens: int,
+        sampling: dict[str, Any],
+        prompt_tokens: int | None = None,
+        param: str = "max_tokens",
+    ) -> None:
+        """Before a response starts: APIError 400 for bad sampling values (naming the field)
+        and, given the prompt's length `prompt_tokens`, for a `max_tokens` (the request field
+        `param`) beyond the context left after the prompt (vLLM's check and message, OpenAI's
+        400); 429 when the queue is full."""
+        n_ctx = self.engine.n_ctx
+        if prompt_tokens is not None and prompt_tokens + max_tokens > n_ctx:
+            raise APIError(
+                400,
+                f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+                f"{n_ctx} tokens and your request has {prompt_tokens} input tokens "
+                f"({max_tokens} > {n_ctx} - {prompt_tokens})",
+                param=param,
+            )
         given = {k: v for k, v in sampling.items() if k != "ignore_eos"}
         try:
             SamplingParams(max_tokens=max_tokens, **{**self.engine.generation_defaults, **given})
