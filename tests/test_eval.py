@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -614,6 +615,22 @@ def test_bad_inputs(tmp_path, capsys, tiny):
     err = _error(capsys, str(store), "--task", "perplexity", "--data", str(text), "--ctx", "16",
                  "--reference", str(Path(__file__).parents[1] / "colibri/data/demo"))  # fmt: skip
     assert "--reference" in err and "another model" in err
+    # refused before any weights load, naming the option and the path
+    err = _error(capsys, "--task", "perplexity", "--data", str(text), "--reference",
+                 str(tmp_path / "no-store"))  # fmt: skip
+    assert err.startswith("colibri: error: --reference: ") and "no-store" in err, err
+    err = _error(capsys, "--task", "perplexity", "--data", str(text), "--reference", str(text))
+    assert "--reference: " in err and "t.txt" in err, err
+    err = _error(capsys, "--task", "perplexity", "--data", str(text), "--ctx", "3")
+    assert "--ctx 3: a perplexity window needs at least 4 tokens" in err, err
+    # the same sizes, another tokenizer: refused (its ids are another vocabulary's)
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(store, other)
+    swap = DEMO / "tokenizer.json" if "olmoe" in _family else _need(OLMOE_TOKENIZER)
+    (other / "tokenizer.json").write_bytes(swap.read_bytes())
+    err = _error(capsys, str(store), "--task", "perplexity", "--data", str(text), "--ctx", "16",
+                 "--reference", str(other))  # fmt: skip
+    assert f"--reference {other}: another tokenizer" in err, err
     short = tmp_path / "short.txt"
     short.write_text("a few words")
     err = _error(capsys, "--task", "perplexity", "--data", str(short))

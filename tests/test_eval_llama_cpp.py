@@ -2,7 +2,9 @@
 bytes (colibri export-gguf of the store colibri scores), the same real text (../shared/data
 c4), the same --ctx and number of windows: the final PPL within the issue's 0.5%, and the
 running PPL llama-perplexity prints after each window ([1], [2], ...) close too (so the
-windows are the same; RUNNING). Skipped when llama.cpp is not built (tools/build_llama_cpp.sh; CI).
+windows are the same; RUNNING), and from the logits file it writes (--kl-divergence-base):
+the very tokens colibri scores, and per scored token a log-probability close to colibri's.
+Skipped when llama.cpp is not built (tools/build_llama_cpp.sh; CI).
 
 Two models: the demo (a trained Mixtral, SentencePiece-style vocabulary, BOS added: every
 window starts with BOS) and a tiny random Mixtral with the OLMoE tokenizer (byte-level BPE,
@@ -38,6 +40,9 @@ TOLERANCE = 0.005  # issue 21: colibri's Q4_0 PPL within 0.5% of llama-perplexit
 # rounding differences now and then, and the first windows hold few tokens (measured: demo
 # within 0.01% everywhere; the random model 0.06-0.56% per window, 0.33% final)
 RUNNING = {"demo": 0.005, "mixtral-olmoe-tokenizer": 0.01}
+# mean |nll colibri - nll llama| per scored token (nats; measured on the bench's 8 windows of
+# 128: demo 0.0024, a random Mixtral with the OLMoE tokenizer 0.008)
+PER_TOKEN = {"demo": 0.01, "mixtral-olmoe-tokenizer": 0.03}
 
 
 def _llama_perplexity() -> Path:
@@ -72,11 +77,11 @@ def _q4_store(kind: str, tmp: Path) -> Path:
     return convert(hf, tmp / "q4_0", quant="q4_0", dense_quant="f32", show_progress=False)
 
 
-async def _colibri_nll(store: Path, text: str) -> np.ndarray:
+async def _colibri_nll(store: Path, text: str) -> tuple[list[int], np.ndarray]:
     async with open_engine(store, n_ctx=CTX, activations="q8_0", kv_dtype="f16") as engine:
         tokens, bos = scoring.text_tokens(engine.tokenizer, text)
         res = await scoring.perplexity(engine, tokens, CTX, bos=bos, limit=WINDOWS)
-    return res.nll
+    return tokens, res.nll
 
 
 @pytest.mark.parametrize("kind", ["demo", "mixtral-olmoe-tokenizer"])
@@ -92,19 +97,21 @@ def test_perplexity_equals_llama_perplexity(kind, tmp_path):
     text_file.write_text(text)
     store = _q4_store(kind, tmp_path)
     gguf = export_gguf(store, tmp_path / "q4_0.gguf", force=True)
-    res = subprocess.run(
-        [str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(CTX),
-         "--chunks", str(WINDOWS), "-t", "2"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-3000:]
-    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    logits = tmp_path / "llama.logits"
+    cmd = [str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(CTX), "--chunks",
+           str(WINDOWS), "-t", "2", "--kl-divergence-base", str(logits)]  # fmt: skip
+    for _ in range(3):  # llama.cpp's log thread sometimes loses its last lines at exit
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-3000:]
+        final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+        if final and f"[{WINDOWS}]" in out:
+            break
     assert final, out[-3000:]
     running = [float(x) for x in re.findall(r"\[(?:\d+)\]([0-9.]+)", out)]
     assert len(running) == WINDOWS, out[-3000:]
 
-    nll = asyncio.run(_colibri_nll(store, text))
+    tokens, nll = asyncio.run(_colibri_nll(store, text))
     per_window = CTX - 1 - CTX // 2  # llama-perplexity scores the second half of each window
     assert len(nll) == WINDOWS * per_window
     ppl, err = scoring.ppl_and_stderr(nll)
@@ -113,3 +120,20 @@ def test_perplexity_equals_llama_perplexity(kind, tmp_path):
     for k, theirs in enumerate(running, 1):
         ours = float(np.exp(nll[: k * per_window].mean()))
         assert ours == pytest.approx(theirs, rel=RUNNING[kind]), f"after window {k}"
+
+    # the logits file llama-perplexity wrote: its tokens are colibri's, its per-token
+    # log-probabilities (stored at ~2.4e-4 resolution) give its own final PPL, and colibri's
+    # per-token nll is close to them token by token
+    from colibri.bench.sec_quality import read_llama_logits
+
+    n_ctx, theirs, lp, clipped = read_llama_logits(logits)
+    assert n_ctx == CTX and len(theirs) == WINDOWS * CTX
+    assert tokens[: len(theirs)] == theirs.tolist()
+    assert len(lp) == len(nll) and (lp <= 0).all() and clipped.mean() < 0.1
+    # the tokens llama.cpp stored exactly: their PPL is its PPL over them, to the file's rounding
+    exact = float(np.exp(-lp[~clipped].mean()))
+    assert exact == pytest.approx(float(np.exp(nll[~clipped].mean())), rel=TOLERANCE)
+    d = np.abs(nll + lp)[~clipped]
+    assert d.mean() < PER_TOKEN[kind], d.mean()
+    # a clipped token's log-probability is at most the stored bound: colibri's below it too
+    assert (-nll[clipped] <= lp[clipped] + 0.5).all()

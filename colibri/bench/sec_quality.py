@@ -409,8 +409,67 @@ def _speed_rows(
     return rows, data, n
 
 
-def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) -> float | None:
-    """llama-perplexity's final PPL on the store exported to GGUF, or None if not built."""
+def read_llama_logits(path: Path) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The file `llama-perplexity --kl-divergence-base FILE` writes (tools/perplexity/
+    perplexity.cpp, perplexity()): "_logits_", int32 n_ctx, n_vocab, n_chunk, the text's
+    tokens int32 [n_chunk * n_ctx] (as tokenized, BOS in front where the vocabulary adds it,
+    before each window's first token is replaced by BOS), then per window and scored position
+    (n_ctx - 1 - n_ctx // 2 of them) a row of 2 * ((n_vocab + 1) // 2) + 4 uint16: f32 scale,
+    f32 min_log_prob, then per vocabulary entry q, log p = min_log_prob + scale * q (q = 0:
+    at most min_log_prob, logits more than 16 below the row's max are clipped there).
+    Returns (n_ctx, tokens, the scored tokens' log-probabilities float64 [n_chunk * (n_ctx -
+    1 - n_ctx // 2)], the target of window c's position i being tokens[c * n_ctx + i + 1],
+    and bool [same] true where that value is only an upper bound: q = 0, clipped). Raises
+    ValueError on another file."""
+    raw = path.read_bytes()
+    if raw[:8] != b"_logits_" or len(raw) < 20:
+        raise ValueError(f"{path}: not a llama-perplexity logits file")
+    n_ctx, n_vocab, n_chunk = (int(x) for x in np.frombuffer(raw, np.int32, 3, 8))
+    tokens = np.frombuffer(raw, np.int32, n_chunk * n_ctx, 20)
+    first = n_ctx // 2
+    per = n_ctx - 1 - first
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    off = 20 + 4 * n_chunk * n_ctx
+    if len(raw) != off + 2 * n_chunk * per * nv:
+        raise ValueError(f"{path}: {len(raw)} bytes, not a llama-perplexity logits file")
+    rows = np.frombuffer(raw, np.uint16, n_chunk * per * nv, off).reshape(-1, nv)
+    head = np.ascontiguousarray(rows[:, :4]).view(np.float32)  # [scale, min_log_prob]
+    targets = np.concatenate(
+        [tokens[c * n_ctx + first + 1 : (c + 1) * n_ctx] for c in range(n_chunk)]
+    )
+    q = rows[np.arange(len(targets)), 4 + targets].astype(np.float64)
+    lp = head[:, 1].astype(np.float64) + head[:, 0].astype(np.float64) * q
+    return n_ctx, tokens, lp, q == 0
+
+
+async def _colibri_nll(
+    store: Path, text: str, windows: int, threads: int
+) -> tuple[list[int], np.ndarray]:
+    """colibri's tokens of text and per scored token nll (ctx CTX, `windows` windows) as
+    llama.cpp's CPU backend computes a Q4_0 GGUF: q8_0 activations, an f16 KV cache."""
+    from colibri.engine import open_engine
+    from colibri.eval import scoring
+
+    async with open_engine(
+        store, n_ctx=CTX, threads=threads, activations="q8_0", kv_dtype="f16"
+    ) as engine:
+        ids, bos = scoring.text_tokens(engine.tokenizer, text)
+        res = await scoring.perplexity(engine, ids, CTX, bos=bos, limit=windows)
+    return ids, res.nll
+
+
+def _llama_perplexity(
+    ctx: Context, store: Path, text: str, text_file: Path, windows: int
+) -> dict[str, Any] | None:
+    """llama-perplexity on the store exported to GGUF (same bytes), beside colibri on the
+    same text, --ctx and windows, or None if llama-perplexity is not built: llama_ppl (its
+    final estimate), colibri_ppl (colibri with an f16 KV cache, as llama.cpp keeps it), and
+    from the logits file llama-perplexity writes (read_llama_logits) the check that both
+    scored the same tokens (tokens_same of tokens_total) and per scored token
+    |nll colibri - nll llama| (dnll_mean, dnll_max; llama's log-probabilities are stored
+    with a resolution of ~2.4e-4, and clipped at 16 below the row's max logit: the
+    `clipped` tokens left out). llama.cpp's log thread sometimes loses its last lines at
+    exit: the run is repeated (up to 3 times) until its final PPL is printed."""
     from colibri.bench import llama_cpp
 
     try:
@@ -422,31 +481,42 @@ def _llama_perplexity(ctx: Context, store: Path, text_file: Path, windows: int) 
     from colibri.export_gguf import export_gguf
 
     gguf = export_gguf(store, store.with_suffix(".gguf"), force=True)
-    res = ctx.run(
-        [
-            str(exe),
-            "-m",
-            str(gguf),
-            "-f",
-            str(text_file),
-            "-c",
-            str(CTX),
-            "--chunks",
-            str(windows),
-            "-t",
-            str(ctx.threads),
-        ],
-        check=False,
-        timeout=1800,
-    )
-    out = res.stdout + res.stderr
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
-    if m:
-        return float(m.group(1))
-    # llama.cpp's log thread can interleave that line with others: the running PPL after the
-    # last window ("[8]335.8626,") is the same figure
-    running = re.findall(rf"\[{windows}\]([0-9.]+)", out)
-    return float(running[-1]) if running else None
+    logits = store.with_suffix(".llama-logits")
+    cmd = [str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(CTX), "--chunks",
+           str(windows), "-t", str(ctx.threads), "--kl-divergence-base", str(logits)]  # fmt: skip
+    for _ in range(3):
+        res = ctx.run(cmd, check=False, timeout=1800)
+        out = res.stdout + res.stderr
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+        # the running PPL after the last window ("[8]335.8626,") is the same figure
+        running = re.findall(rf"\[{windows}\]([0-9.]+)", out)
+        if m or running:
+            break
+    else:
+        logits.unlink(missing_ok=True)
+        return {"llama_ppl": None}
+    r: dict[str, Any] = {"llama_ppl": float(m.group(1)) if m else float(running[-1])}
+    try:
+        n_ctx, theirs, lp, clipped = read_llama_logits(logits)
+        if n_ctx != CTX:
+            raise ValueError(f"n_ctx {n_ctx}, not {CTX}")
+    except (OSError, ValueError) as exc:
+        ctx.log(f"quality: llama-perplexity's logits unreadable ({exc})")
+        return r
+    finally:
+        logits.unlink(missing_ok=True)
+    ids, nll = asyncio.run(_colibri_nll(store, text, windows, ctx.threads))
+    ours = np.asarray(ids[: len(theirs)])
+    d = np.abs(nll + lp)[~clipped] if len(nll) == len(lp) else np.array([np.inf])
+    r |= {
+        "colibri_ppl": float(np.exp(nll.mean())),
+        "tokens_same": int((ours == theirs).sum()) if len(ours) == len(theirs) else 0,
+        "tokens_total": len(theirs),
+        "dnll_mean": float(d.mean()),
+        "dnll_max": float(d.max()) if len(d) else 0.0,
+        "clipped": int(clipped.sum()),
+    }
+    return r
 
 
 def _row(label: str, qtype: str, acts: str, r: dict[str, Any]) -> list[str]:
@@ -473,7 +543,15 @@ def _llama_cell(r: dict[str, Any]) -> str:
         return ""
     if not r["llama_ppl"]:
         return "-"
-    return f"{fmt(r['llama_ppl'], 4)} (colibri {r['ppl'] / r['llama_ppl'] - 1:+.3%})"
+    ll = r["llama_ppl"]
+    cell = f"{fmt(ll, 4)} (colibri {r['ppl'] / ll - 1:+.3%}"
+    if "colibri_ppl" not in r:
+        return cell + ")"
+    return (
+        f"{cell}, with an f16 KV cache {r['colibri_ppl'] / ll - 1:+.3%}; same tokens "
+        f"{r['tokens_same']}/{r['tokens_total']}; per token |Δnll| mean {r['dnll_mean']:.4f}, "
+        f"max {r['dnll_max']:.3f}, {r['clipped']} clipped tokens left out)"
+    )
 
 
 def run(ctx: Context) -> Section:
@@ -505,7 +583,9 @@ def run(ctx: Context) -> Section:
                 ctx.log(f"quality: {name} {qtype} activations {acts}")
                 r = asyncio.run(_measure(store, ref, text, acts, windows, ctx.threads))
                 if qtype == "q4_0" and acts == "q8_0":
-                    r["llama_ppl"] = _llama_perplexity(ctx, store, text_file, windows)
+                    r |= _llama_perplexity(ctx, store, text, text_file, windows) or {
+                        "llama_ppl": None
+                    }
                 results[f"{qtype}/{acts}"] = r
                 rows.append(_row(name, qtype, acts, r))
         # out of core: an expert cache of a third of the q4_0 store's experts
@@ -577,7 +657,13 @@ def run(ctx: Context) -> Section:
         "q8_0 the q4_0 store as `colibri convert` writes it (embeddings, attention and output "
         "head in q8_0): what a quantized head adds. The Mixtral-shaped "
         "model has random weights (PPL near its vocabulary size): its KL and routing figures "
-        "are what tell formats apart.",
+        "are what tell formats apart. llama-perplexity PPL: llama.cpp's own tool on the q4_0 "
+        "store exported to GGUF (the same bytes), same text, --ctx and windows; colibri's "
+        "difference to it as in the row (f32 KV cache) and with an f16 KV cache (llama.cpp's); "
+        "from the logits file llama-perplexity writes (--kl-divergence-base): how many of the "
+        "tokens both scored are the same, and per scored token |nll colibri - nll llama.cpp| "
+        "(its log-probabilities are stored to ~2.4e-4 and clipped 16 below a row's max: "
+        "clipped tokens left out).",
         "",
         table(
             [

@@ -25,9 +25,11 @@ import numpy as np
 
 from colibri import run as run_cmd
 from colibri.engine import DEFAULT_N_CTX, Engine, open_engine
+from colibri.errors import ColibriError
 from colibri.eval import scoring
 from colibri.eval.data import EvalError, read_records, read_text
 from colibri.eval.tasks import TASKS, build_requests
+from colibri.io.format import open_store
 from colibri.options import whole
 
 PPL_CTX = 512  # llama-perplexity's default --ctx-size for perplexity
@@ -347,6 +349,13 @@ async def _eval(args: argparse.Namespace) -> int:
             args.task, docs, str(args.data), shots=args.shots, fewshot_docs=fewshot or [],
             fewshot_source=fewshot_source,
         )  # fmt: skip
+    if args.task == "perplexity" and args.n_ctx is not None and args.n_ctx < 4:
+        raise EvalError(f"--ctx {args.n_ctx}: a perplexity window needs at least 4 tokens")
+    if args.reference:  # a bad reference fails before any weights load, naming the option
+        try:
+            open_store(args.reference)
+        except ColibriError as exc:
+            raise EvalError(f"--reference: {exc}") from None
     opts = _engine_options(args)
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(open_engine(path, **opts))

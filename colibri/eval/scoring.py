@@ -556,7 +556,8 @@ async def perplexity(
 
 def check_same_model(engine: Any, reference: Any, ref_path: str) -> None:
     """Raise EvalError unless `reference` runs the same model as `engine` (model_type,
-    vocab_size, d_model, layers, experts, top_k): only the storage format may differ."""
+    vocab_size, d_model, layers, experts, top_k, and where both have one the tokenizer: the
+    same ids for TOKENIZER_PROBE): only the storage format may differ."""
     a, b = engine.spec, reference.spec
     checks = [
         ("model_type", a.model_type, b.model_type),
@@ -573,6 +574,19 @@ def check_same_model(engine: Any, reference: Any, ref_path: str) -> None:
                 f"--reference {ref_path}: another model ({what} {y} there, {x} here); "
                 "the reference must be the same model in another format"
             )
+    ta, tb = getattr(engine, "tokenizer", None), getattr(reference, "tokenizer", None)
+    if ta is not None and tb is not None:  # same sizes, another vocabulary: KL would be noise
+        ids, ref_ids = ta.encode(TOKENIZER_PROBE), tb.encode(TOKENIZER_PROBE)
+        if ids != ref_ids:
+            raise EvalError(
+                f"--reference {ref_path}: another tokenizer (its tokenizer.json encodes a probe "
+                f"text as {ref_ids[:6]}..., this store's as {ids[:6]}...); the reference must "
+                "be the same model in another format"
+            )
+
+
+# a text whose tokens tell tokenizers apart (words, digits, punctuation, accents, spaces)
+TOKENIZER_PROBE = "The quick brown fox jumps over 13 lazy dogs; naïve café, 1984-2026!  \n\tx"
 
 
 # ---- multiple-choice metrics ----------------------------------------------------------------
