@@ -106,7 +106,8 @@ def default_budget(store: Store, dense_nbytes: int) -> int:
 class EngineOptions:
     """budget: expert cache bytes (None: default_budget). policy: "nextuse" (default: the
     estimated-farthest-next-use policy, colibri.io.cache.NextUsePolicy) | "lru" | "lfu" | "lfru".
-    prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
+    prefetch: predict the next layer's experts with its router and the previous token's
+    choice, reading them as slots free up. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
     each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_k" (default:
     as q8_0, but experts whose gate, up and down are all Q4_K / Q5_K / Q6_K run on Q8_K
@@ -125,7 +126,10 @@ class EngineOptions:
     kv_dtype: str = "f32"
     activations: str = "q8_k"
     queue_depth: int = 32
-    verify: bool = True
+    # XXH3 of freshly read records: "once" checks each record the first time this engine
+    # reads it (a storage-bound decode re-reads every record each token: hashing them all
+    # again cost CPU the kernels wanted on 2 cores), True every read, False never
+    verify: bool | str = "once"
     trace: str | None = None  # write a routing trace (.npz, colibri/io/trace.py) on close
     # copies of the experts file (`colibri mirror`), read through io/mirror.py's MirrorReader;
     # mirror_weights: one read share per copy, the store's first (default equal)
@@ -165,6 +169,8 @@ class EngineOptions:
             raise bad("activations", "must be f32, q8_0 or q8_k")
         if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
             raise bad("queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}] (io_uring's ring limit)")
+        if self.verify not in (True, False, "once"):
+            raise bad("verify", "must be True, False or 'once'")
         if self.mirror_weights is not None and (
             len(self.mirror_weights) != 1 + len(self.mirrors)
             or not all(w > 0 for w in self.mirror_weights)
