@@ -49,6 +49,9 @@ class FakeStore:
         return ExpertRecord(layer, expert, 0, N, xxhash.xxh3_64_intdigest(self.data[layer, expert]))
 
 
+_READERS: list = []  # this test's FakeReaders (the fixture below ends their reads)
+
+
 class FakeReader:
     """read_into parks until the test calls complete(key) (or fail(key, exc)); the 'kernel'
     writes the slot only at completion, and the slot must still be unreleased then."""
@@ -57,6 +60,7 @@ class FakeReader:
         self.pool, self.store = pool, store
         self.pending: dict = {}
         self.started: list = []
+        _READERS.append(self)
 
     async def read_into(self, record, slot, *, priority=0):
         key = (record.layer, record.expert)
@@ -75,6 +79,23 @@ class FakeReader:
     def fail(self, key, exc):
         fut, _ = self.pending.pop(key)
         fut.set_exception(exc)
+
+
+@pytest.fixture(autouse=True)
+async def _no_read_left_pending():
+    """A read a test leaves parked would never end: wait_io (rightly, for a real read) keeps
+    its task alive through cancellation, so the event loop's teardown waited for it forever.
+    After each test, fail whatever is still pending (the tasks end within a few loop
+    iterations) and fail the test naming the keys."""
+    _READERS.clear()
+    yield
+    left = [key for r in _READERS for key in r.pending]
+    for r in _READERS:
+        for key in list(r.pending):
+            r.fail(key, ReadError("test ended with the read pending"))
+    await asyncio.wait_for(spin(20), timeout=5)
+    _READERS.clear()
+    assert not left, f"reads left pending at the end of the test: {left}"
 
 
 def make(num_slots=3, **kw):
@@ -646,3 +667,6 @@ async def test_prefetcher_keeps_next_token_guesses_and_orders_sources_by_their_r
     pf.predict(2, [7, 1, 3], repeat=[3, 6, 2], limit=3)  # both: 3; then repeat's 6, 2
     await spin()
     assert [k for k, _ in reader.started[started:]] == [(2, 3), (2, 6), (2, 2)]
+    for key in list(reader.pending):
+        reader.complete(key)
+    await spin()
