@@ -530,6 +530,11 @@ class ExpertCache:
         self._entries: dict[Key, _Entry] = {}
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._deferred: dict[Key, None] = {}  # prefetches waiting for a slot, in order
+        # prefetch reads in flight at most: a slot being read cannot be evicted, so a wrong
+        # guess in flight would make the next demand miss wait for it; one layer's top-k
+        # (min_slots) stays out of the prefetches' reach
+        self._prefetch_slots = self.pool.num_slots - len(self.pinned) - min_slots
+        self._prefetch_in_flight = 0
         self.usage: collections.Counter[Key] = collections.Counter()
         self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
         self._n = collections.Counter()
@@ -663,7 +668,10 @@ class ExpertCache:
         return len(self._deferred)
 
     def _start_prefetch(self, key: Key) -> bool:
-        """Start the prefetch read of `key` (not in the cache) if a slot is to be had."""
+        """Start the prefetch read of `key` (not in the cache) if a slot is to be had and
+        fewer than _prefetch_slots prefetch reads are in flight."""
+        if self._prefetch_in_flight >= self._prefetch_slots:
+            return False
         slot = self._take_slot(PREFETCH)
         if slot is None:
             return False
@@ -671,6 +679,7 @@ class ExpertCache:
         entry.slot = slot
         entry.prefetched = True
         self._entries[key] = entry
+        self._prefetch_in_flight += 1
         self._start_load(entry, PREFETCH)
         self._n["prefetch_issued"] += 1
         if self.observer is not None:
@@ -780,6 +789,10 @@ class ExpertCache:
         entry.task.add_done_callback(lambda task: self._load_done(entry, task))
 
     def _load_done(self, entry: _Entry, task: asyncio.Task) -> None:
+        if entry.prefetched:
+            self._prefetch_in_flight -= 1
+            if self._deferred and not self._closed:
+                self._pump()  # a deferred guess may start now
         # A task cancelled before its first step never runs _load's body (nor its cleanup):
         # without this the entry would keep its slot and its waiters would wait forever.
         if task.cancelled() and not entry.fut.done():
