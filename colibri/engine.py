@@ -106,7 +106,8 @@ def default_budget(store: Store, dense_nbytes: int) -> int:
 class EngineOptions:
     """budget: expert cache bytes (None: default_budget). policy: "nextuse" (default: the
     estimated-farthest-next-use policy, colibri.io.cache.NextUsePolicy) | "lru" | "lfu" | "lfru".
-    prefetch: predict the next layer's experts with its router. io: "auto" | "uring" |
+    prefetch: predict the next layer's experts with its router and the previous token's
+    choice, reading them as slots free up. io: "auto" | "uring" |
     "threads" | "mmap". threads: kernel threads (0: physical cores). n_ctx: context length of
     each sequence's KV cache, tokens. kv_dtype: "f32" | "f16". activations: "q8_k" (default:
     as q8_0, but experts whose gate, up and down are all Q4_K / Q5_K / Q6_K run on Q8_K
@@ -169,6 +170,8 @@ class EngineOptions:
             raise bad("activations", "must be f32, q8_0 or q8_k")
         if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
             raise bad("queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}] (io_uring's ring limit)")
+        if self.verify not in (True, False, "once"):
+            raise bad("verify", "must be True, False or 'once'")
         if self.mirror_weights is not None and (
             len(self.mirror_weights) != 1 + len(self.mirrors)
             or not all(w > 0 for w in self.mirror_weights)
@@ -176,8 +179,6 @@ class EngineOptions:
             raise bad("mirror_weights", f"needs {1 + len(self.mirrors)} positive read shares")
         if self.trace is not None and not Path(self.trace).resolve().parent.is_dir():
             raise bad("trace", f"directory {Path(self.trace).parent} does not exist")
-        if self.verify not in (True, False, "once"):
-            raise bad("verify", "must be True, False or 'once'")
         if self.max_running < 1:
             raise bad("max_running", "must be >= 1")
         if self.batch not in ("split", "fused"):

@@ -35,6 +35,12 @@ T = TypeVar("T")
 # scoring (forward_batch's targets): the output head runs on blocks of rows holding at most
 # this many bytes of logits
 HEAD_BLOCK_NBYTES = 16 << 20
+# steps of at most this many rows (decode) remember their experts per layer as a guess for
+# the next step's (the prefetcher's second source beside the next layer's router)
+PREV_ROWS_MAX = 4
+# while prefetches wait for slots, a trip computes its ready experts this many at a time and
+# frees each group's slots at once, so the next layer's reads start during the rest
+PROGRESSIVE_CHUNK = 2
 
 
 @dataclass
@@ -94,6 +100,13 @@ def _rows_view(slots: np.ndarray) -> np.ndarray:
     return v
 
 
+def _release(batch: list[tuple[int, Any]]) -> None:
+    """Release the leases of `batch` ((expert, lease) pairs) not yet released (on the loop)."""
+    for _, lease in batch:
+        if lease.buffer is not None:
+            lease.release()
+
+
 class Pipeline:
     """Runs forward passes of `model`, fetching routed experts through `cache`.
 
@@ -127,6 +140,8 @@ class Pipeline:
         # DeepSeek-V4 hash-routed layers: their experts are a function of the token ids, so
         # the prefetcher is told all of them when the tokens arrive (perfect prediction)
         self._hash_layers = [s.index for s in model.spec.layers if getattr(s, "hash_routed", 0)]
+        # MoE layer -> the experts the last step of at most PREV_ROWS_MAX rows chose there
+        self._last_experts: dict[int, list[int]] = {}
         # experts: a provider of the routed experts' outputs computed elsewhere, or None (they
         # come from `cache` and run here). It has `prefetch` (bool: wants the next layer's
         # prediction) and `async ffn(layer, routed, predicted) -> slots`: routed as below,
@@ -241,8 +256,8 @@ class Pipeline:
                 state = await self._moe_elsewhere(i, step, routed, state.predicted, state.mixes)
             else:
                 self.cache.request(i, experts)  # misses go to disk now, as one batch
-                if self.prefetcher is not None and state.predicted is not None:
-                    self.prefetcher.predict(*state.predicted)
+                if self.prefetcher is not None:
+                    self._prefetch(i, state.predicted, experts, sum(map(len, step.tokens)))
                 state = await self._moe(i, step, routed, experts, state.mixes)
             self.times.layers += 1
         for (tokens, kv), p in zip(batch, pos0, strict=True):
@@ -251,6 +266,37 @@ class Pipeline:
         self.times.steps += 1
         self.last_step = (len(batch), records)
         return state
+
+    def _prefetch(
+        self, i: int, predicted: tuple[int, list[int]] | None, experts: list[int], rows: int
+    ) -> None:
+        """Tell the prefetcher what MoE layer i's successor will want: its router's guess
+        (`predicted`, from layer i's hidden state) and the previous step's choice there
+        (decode repeats experts from token to token; Prefetcher.predict orders the two by
+        their record). After the last MoE layer,
+        the next step's first layer: this step's choice there. `experts`: layer i's choice
+        now; rows: the rows of this step (a prompt's union of experts is no guess for a
+        token's, so only steps of a few rows are remembered)."""
+        pf = self.prefetcher
+        prev = self._last_experts
+        if rows > PREV_ROWS_MAX:
+            prev.clear()
+        else:
+            prev[i] = experts
+        if not pf.enabled:
+            return
+        if predicted is not None:
+            nxt, guess = predicted
+            # the previous step's choice at nxt (nxt > i: not yet replaced); as many guesses
+            # as this layer chose: more would only wait for slots and displace demand reads
+            pf.predict(nxt, guess, repeat=prev.get(nxt, ()), limit=max(len(experts), 1))
+            return
+        later = [j for j in self._moe_layers if j > i and j not in self._hash_layers]
+        if later:  # predicting is off for them (hash-routed) or guessed nothing
+            return
+        first = next((j for j in self._moe_layers if j not in self._hash_layers), None)
+        if first is not None and first in prev:
+            pf.predict_next_token(first, prev[first])
 
     def _begin(self, tokens: list[np.ndarray], step: _Step) -> _Routed | list[np.ndarray]:
         """The first trip: embed every sequence's tokens into step.xs (views into one
@@ -408,7 +454,7 @@ class Pipeline:
             predicted = None
             if nxt is not None:
                 guess = m.route(nxt, m.post_norm(nxt, stacked), x=stacked)[0]
-                predicted = (nxt, np.unique(guess).tolist())
+                predicted = (nxt, list(dict.fromkeys(guess.ravel().tolist())))
             every = None if tokens[0] is None else np.concatenate(tokens)
             return [(h, *m.route(i, h, every, x=stacked))], predicted, [mix] if hc else None
         routed, guesses, mixes = [], [], []
@@ -420,7 +466,11 @@ class Pipeline:
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
                 guesses.append(m.route(nxt, m.post_norm(nxt, x), x=x)[0].ravel())
-        predicted = (nxt, np.unique(np.concatenate(guesses)).tolist()) if guesses else None
+        # in the router's order (best first, token by token): the prefetcher reads the first
+        # ones first
+        predicted = (
+            (nxt, list(dict.fromkeys(np.concatenate(guesses).tolist()))) if guesses else None
+        )
         return routed, predicted, mixes if hc else None
 
     async def _moe(
@@ -441,6 +491,7 @@ class Pipeline:
         `slots` (f32 [n, k, d_model]); the last trip adds them to x in slot order and goes on
         with the next layers, so with every record ready a layer is one trip.
         """
+        loop = asyncio.get_running_loop()
         xs = self._ffn_targets(step, routed, mixes)
         slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
         dense = self._sandwich(i, xs)
@@ -451,6 +502,12 @@ class Pipeline:
             return e, await self.cache.get(i, e)
 
         tasks = [asyncio.ensure_future(fetch(e)) for e in experts if e not in hits]
+        if tasks:
+            # two loop iterations: the misses' load tasks prepare their reads, then the reader
+            # submits them, before the compute thread takes the CPU for the hits (on 2 busy
+            # cores the loop could otherwise wait for the whole trip before the disk starts)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
         consumed: set[asyncio.Future] = set()
         try:
             pending = set(tasks)
@@ -481,11 +538,12 @@ class Pipeline:
                         first,
                         None if pending else step,
                         dense,
+                        loop,
+                        PROGRESSIVE_CHUNK if self.cache.deferred_prefetches() else 0,
                     )
                     self.times.experts += len(batch)
                 finally:
-                    for _, lease in batch:
-                        lease.release()
+                    _release(batch)
                 first = False
             return result
         finally:
@@ -562,20 +620,34 @@ class Pipeline:
         first: bool,
         last: _Step | None,
         dense: list[np.ndarray] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        chunk: int = 0,
     ) -> _Routed | list[np.ndarray] | None:
         """One trip: the shared expert / dense MLP (first trip), the experts of `batch`
         ((expert, lease) pairs) on each sequence's tokens routed to them, and on the last
         trip (`last` = the step) the residual sums and _head(i + 1), whose result it
         returns. dense (Gemma 4, Model.sandwich): the dense MLP's output waits there and
-        Model.sandwich_residual ends the layer, with the per-layer inputs."""
+        Model.sandwich_residual ends the layer, with the per-layer inputs. loop: the event
+        loop, to hand the leases of `batch` back as soon as their experts are done (before
+        the next layers' attention and routing, or the output head, so the slots take the
+        prefetcher's next reads meanwhile); the caller releases them otherwise. chunk: with
+        a loop, run the grouped experts `chunk` at a time, each chunk's leases handed back
+        when it is done (0: all in one call)."""
         m = self.model
+        leases = batch
         if first and dense is not None:
             for x, (h, _, _), out in zip(xs, routed, dense, strict=True):
                 m.dense_ffn(i, h, out, x)
         elif first:
             self._dense_ffn_batch(i, [h for h, _, _ in routed], xs)
         if batch and m.expert_group_ok(i):  # every ready expert in one kernel call
-            self._expert_group(i, batch, routed, slots)
+            if loop is not None and chunk:  # or a few at a time, each chunk's slots freed
+                for a in range(0, len(batch), chunk):
+                    part = batch[a : a + chunk]
+                    self._expert_group(i, part, routed, slots)
+                    loop.call_soon_threadsafe(_release, part)
+            else:
+                self._expert_group(i, batch, routed, slots)
             batch = []
         stack = len(routed) > 1 and m.expert_row_invariant(i)
         for e, lease in batch:
@@ -588,6 +660,8 @@ class Pipeline:
                     sl[tok, slot] = m.expert_ffn(lease.buffer, h, tok, weights[tok, slot], layer=i)
         if last is None:
             return None
+        if loop is not None and leases:
+            loop.call_soon_threadsafe(_release, leases)
         if dense is not None:
             ples = list(last.ples) or [None] * len(xs)
             for x, sl, out, ple in zip(xs, slots, dense, ples, strict=True):

@@ -49,6 +49,9 @@ class FakeStore:
         return ExpertRecord(layer, expert, 0, N, xxhash.xxh3_64_intdigest(self.data[layer, expert]))
 
 
+_READERS: list = []  # this test's FakeReaders (the fixture below ends their reads)
+
+
 class FakeReader:
     """read_into parks until the test calls complete(key) (or fail(key, exc)); the 'kernel'
     writes the slot only at completion, and the slot must still be unreleased then."""
@@ -57,6 +60,7 @@ class FakeReader:
         self.pool, self.store = pool, store
         self.pending: dict = {}
         self.started: list = []
+        _READERS.append(self)
 
     async def read_into(self, record, slot, *, priority=0):
         key = (record.layer, record.expert)
@@ -75,6 +79,23 @@ class FakeReader:
     def fail(self, key, exc):
         fut, _ = self.pending.pop(key)
         fut.set_exception(exc)
+
+
+@pytest.fixture(autouse=True)
+async def _no_read_left_pending():
+    """A read a test leaves parked would never end: wait_io (rightly, for a real read) keeps
+    its task alive through cancellation, so the event loop's teardown waited for it forever.
+    After each test, fail whatever is still pending (the tasks end within a few loop
+    iterations) and fail the test naming the keys."""
+    _READERS.clear()
+    yield
+    left = [key for r in _READERS for key in r.pending]
+    for r in _READERS:
+        for key in list(r.pending):
+            r.fail(key, ReadError("test ended with the read pending"))
+    await asyncio.wait_for(spin(20), timeout=5)
+    _READERS.clear()
+    assert not left, f"reads left pending at the end of the test: {left}"
 
 
 def make(num_slots=3, **kw):
@@ -545,3 +566,107 @@ async def test_run_to_completion_lets_fn_finish_before_the_cancellation():
         assert await run_to_completion(ex, lambda a, b: a + b, 2, 3) == 5
         with pytest.raises(ZeroDivisionError):
             await run_to_completion(None, lambda: 1 / 0)
+
+
+# ---- demand before prefetch, deferred prefetches, guess sources ---------------------------
+async def test_demand_takes_its_slots_before_a_prefetch_of_the_same_iteration():
+    """request() then prefetch() with no await in between (the pipeline's order): the demand
+    misses own the slots at once, so the prefetch finds none and the demands read first."""
+    _store, pool, reader, cache = make(num_slots=2)
+    cache.request(0, [1, 2])
+    assert cache.prefetch(1, [3, 4]) == 0
+    assert cache.statistics().prefetch_dropped == 2
+    await spin()
+    assert sorted(reader.started) == [((0, 1), 0), ((0, 2), 0)]
+    for e in (1, 2):
+        reader.complete((0, e))
+        (await cache.get(0, e)).release()
+    assert cache.statistics().misses == 2
+    check_slots(cache, pool)
+
+
+async def test_request_never_evicts_a_record_it_also_wants():
+    """A miss's slot is taken during request(): a cached record of the same request (listed
+    after the miss) is reserved first, so it stays a hit."""
+    _store, pool, reader, cache = make(num_slots=2, policy="lru")
+    for e in (5, 6):  # both cached, unleased; (0, 5) is the LRU victim
+        t = asyncio.create_task(cache.get(0, e))
+        await spin()
+        reader.complete((0, e))
+        (await t).release()
+    cache.request(0, [1, 5])  # 1 misses: its slot must come from (0, 6), not (0, 5)
+    assert cache.contains(0, 5) and not cache.contains(0, 6)
+    await spin()
+    reader.complete((0, 1))
+    for e in (1, 5):
+        (await cache.get(0, e)).release()
+    st = cache.statistics()
+    assert (st.hits, st.misses) == (1 + 0, 1 + 2)  # (0,5) hit; (0,1) and the first two missed
+    check_slots(cache, pool)
+
+
+async def test_deferred_prefetch_starts_when_a_slot_frees_and_is_forgotten_on_request():
+    _store, pool, reader, cache = make(num_slots=2)
+    t1 = asyncio.create_task(cache.get(0, 1))
+    t2 = asyncio.create_task(cache.get(0, 2))
+    await spin()
+    assert cache.prefetch(1, [3, 4, 5], defer=True) == 0
+    assert cache.deferred_prefetches() == 3
+    reader.complete((0, 1))
+    reader.complete((0, 2))
+    l1, l2 = await t1, await t2
+    await spin()
+    assert [k for k, p in reader.started if p == PREFETCH] == []  # both slots leased
+    l1.release()  # a slot frees: the first deferred guess starts in it
+    await spin()
+    assert [k for k, p in reader.started if p == PREFETCH] == [(1, 3)]
+    assert cache.deferred_prefetches() == 2
+    reader.complete((1, 3))
+    await spin()
+    l2.release()  # (0, 2) is evicted for (1, 4); a landed guess not yet demanded is kept
+    await spin()
+    assert [k for k, p in reader.started if p == PREFETCH] == [(1, 3), (1, 4)]
+    assert cache.contains(1, 3)
+    cache.request(1, [3])  # layer 1 demanded: its remaining guess (1, 5) is dropped
+    assert cache.deferred_prefetches() == 0
+    (await cache.get(1, 3)).release()
+    reader.complete((1, 4))
+    await spin()
+    assert (1, 5) not in [k for k, _ in reader.started]
+    st = cache.statistics()
+    assert (st.prefetch_issued, st.prefetch_useful) == (2, 1)
+    check_slots(cache, pool)
+
+
+async def test_prefetcher_keeps_next_token_guesses_and_orders_sources_by_their_record():
+    _store, _pool, reader, cache = make(num_slots=8)
+    pf = Prefetcher(cache, window=99, probe_every=99)
+    pf.new_token()
+    pf.predict_next_token(0, [1, 2])
+    await spin()
+    pf.new_token()  # the guesses for this token survive it (not cancelled)
+    assert {k for k, p in reader.started if p == PREFETCH} == {(0, 1), (0, 2)}
+    assert pf.statistics().cancelled == 0 and pf.statistics().predicted == 2
+    for e in (1, 2):
+        reader.complete((0, e))
+    await spin()
+    (await cache.get(0, 1)).release()
+    assert pf.statistics().useful == 1
+    # the router's guesses are never demanded, the repeats always: repeats go first
+    for _ in range(10):
+        pf.predict(1, [0, 1, 2], repeat=[4, 5, 6], limit=6)
+        await spin()
+        for key in list(reader.pending):
+            reader.complete(key)
+        await spin()
+        for e in (4, 5, 6):
+            (await cache.get(1, e)).release()
+        pf.new_token()
+    assert pf._source_precision("repeat") > 0.9 > 0.1 > pf._source_precision("router")
+    started = len(reader.started)
+    pf.predict(2, [7, 1, 3], repeat=[3, 6, 2], limit=3)  # both: 3; then repeat's 6, 2
+    await spin()
+    assert [k for k, _ in reader.started[started:]] == [(2, 3), (2, 6), (2, 2)]
+    for key in list(reader.pending):
+        reader.complete(key)
+    await spin()

@@ -529,6 +529,12 @@ class ExpertCache:
         self._policy = make_policy(policy, self.pool.num_slots, lfru_halflife)
         self._entries: dict[Key, _Entry] = {}
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._deferred: dict[Key, None] = {}  # prefetches waiting for a slot, in order
+        # prefetch reads in flight at most: a slot being read cannot be evicted, so a wrong
+        # guess in flight would make the next demand miss wait for it; one layer's top-k
+        # (min_slots) stays out of the prefetches' reach
+        self._prefetch_slots = self.pool.num_slots - len(self.pinned) - min_slots
+        self._prefetch_in_flight = 0
         self.usage: collections.Counter[Key] = collections.Counter()
         self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
         self._n = collections.Counter()
@@ -546,10 +552,21 @@ class ExpertCache:
         """Start the reads of a layer's experts now (one io_uring submit for the batch); never
         waits. Each requested expert is reserved until a `get` of it (or `unrequest`)."""
         self._policy.visit(layer)
-        for expert in experts:
-            entry = self._entry_for((layer, int(expert)), DEMAND)
-            entry.refs += 1
-            entry.pending += 1
+        keys = [(layer, int(expert)) for expert in experts]
+        if self._deferred:  # guesses for this layer: demanded now, or wrong
+            self._deferred = {k: None for k in self._deferred if k[0] != layer}
+        # first reserve what is cached or in flight, so a miss's slot (taken at once, below)
+        # never evicts a record this same request wants
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.refs += 1
+                entry.pending += 1
+        for key in keys:
+            if key not in self._entries:
+                entry = self._entry_for(key, DEMAND)
+                entry.refs += 1
+                entry.pending += 1
 
     def unrequest(self, layer: int, experts: Iterable[int]) -> None:
         """Drop reservations made by `request` that will not be consumed by a `get`."""
@@ -614,39 +631,87 @@ class ExpertCache:
             entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
             self._entries[key] = entry
             entry.fresh = True
+            if priority == DEMAND and not self._slot_waiters:
+                # the slot now, not when the load task first runs: a prefetch issued in the
+                # same loop iteration (the next layer's guess) must not take it first
+                entry.slot = self._take_slot(DEMAND)
+                entry.slot = -1 if entry.slot is None else entry.slot
             self._start_load(entry, priority)
         return entry
 
     # -- prefetch ------------------------------------------------------------------------
-    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+    def prefetch(self, layer: int, experts: Iterable[int], *, defer: bool = False) -> int:
         """Start low-priority reads of experts not cached, using only a free slot or the
         policy's victim among unleased READY entries (never one being read or held, never a
-        slot a demand miss is waiting for). Returns how many reads started; the others are
-        counted as dropped. Never waits."""
+        slot a demand miss is waiting for, never a prefetched record not yet demanded).
+        Returns how many reads started. The others are counted as dropped, or with `defer`
+        kept in order until a slot frees (a lease released, a read landing with nobody
+        waiting): then the first of them starts, before anything else asks. A demand
+        `request` of their layer, or `cancel_prefetches`, forgets them. Never waits."""
         started = 0
         for expert in experts:
             key = (layer, int(expert))
-            if key in self._entries:
+            if key in self._entries or key in self._deferred:
                 continue
-            slot = self._take_slot(PREFETCH)
-            if slot is None:
-                self._n["prefetch_dropped"] += 1
+            if self._deferred or not self._start_prefetch(key):
+                if defer:
+                    self._deferred[key] = None
+                    self._n["prefetch_deferred"] += 1
+                else:
+                    self._n["prefetch_dropped"] += 1
                 continue
-            entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
-            entry.slot = slot
-            entry.prefetched = True
-            self._entries[key] = entry
-            self._start_load(entry, PREFETCH)
             started += 1
-        self._n["prefetch_issued"] += started
         return started
 
-    def cancel_prefetches(self) -> int:
-        """Cancel prefetch reads nobody is waiting for (e.g. at a new token); their slots
-        return to the pool once the kernel is done with them. Returns how many."""
+    def deferred_prefetches(self) -> int:
+        """How many prefetches wait for a slot (ExpertCache.prefetch with defer)."""
+        return len(self._deferred)
+
+    def _start_prefetch(self, key: Key) -> bool:
+        """Start the prefetch read of `key` (not in the cache) if a slot is to be had and
+        fewer than _prefetch_slots prefetch reads are in flight."""
+        if self._prefetch_in_flight >= self._prefetch_slots:
+            return False
+        slot = self._take_slot(PREFETCH)
+        if slot is None:
+            return False
+        entry = _Entry(key, self.store.record(*key), asyncio.get_running_loop().create_future())
+        entry.slot = slot
+        entry.prefetched = True
+        self._entries[key] = entry
+        self._prefetch_in_flight += 1
+        self._start_load(entry, PREFETCH)
+        self._n["prefetch_issued"] += 1
+        if self.observer is not None:
+            self.observer.on_issued(key)
+        return True
+
+    def _pump(self) -> None:
+        """A slot may have freed and no demand waits for it: start deferred prefetches."""
+        while self._deferred and not self._slot_waiters:
+            key = next(iter(self._deferred))
+            if key in self._entries:
+                del self._deferred[key]
+                continue
+            if not self._start_prefetch(key):
+                return
+            del self._deferred[key]
+
+    def cancel_prefetches(self, keep: Iterable[Key] = ()) -> int:
+        """Cancel prefetch reads nobody is waiting for (e.g. at a new token), except those of
+        `keep`, and forget deferred ones; their slots return to the pool once the kernel is
+        done with them. Returns how many reads were cancelled."""
+        keep = set(keep)
+        self._deferred = {k: None for k in self._deferred if k in keep}
         n = 0
         for entry in list(self._entries.values()):
-            if entry.prefetched and not entry.ready and entry.refs == 0 and entry.task:
+            if (
+                entry.prefetched
+                and not entry.ready
+                and entry.refs == 0
+                and entry.task
+                and entry.key not in keep
+            ):
                 entry.task.cancel()
                 n += 1
         return n
@@ -658,7 +723,15 @@ class ExpertCache:
         slot = self.pool.acquire_nowait()
         if slot is not None:
             return slot
-        key = self._policy.victim(lambda k: self._entries[k].refs > 0)
+        if priority == PREFETCH:  # nor a guess of this token's not yet demanded
+            key = self._policy.victim(
+                lambda k: (
+                    self._entries[k].refs > 0
+                    or (self._entries[k].prefetched and not self._entries[k].demanded)
+                )
+            )
+        else:
+            key = self._policy.victim(lambda k: self._entries[k].refs > 0)
         if key is None:
             return None
         entry = self._entries.pop(key)
@@ -677,6 +750,8 @@ class ExpertCache:
             if not fut.done():
                 fut.set_result(None)
                 return
+        if self._deferred:
+            self._pump()
 
     async def _slot(self, priority: int) -> int:
         slot = self._take_slot(priority)
@@ -714,6 +789,10 @@ class ExpertCache:
         entry.task.add_done_callback(lambda task: self._load_done(entry, task))
 
     def _load_done(self, entry: _Entry, task: asyncio.Task) -> None:
+        if entry.prefetched:
+            self._prefetch_in_flight -= 1
+            if self._deferred and not self._closed:
+                self._pump()  # a deferred guess may start now
         # A task cancelled before its first step never runs _load's body (nor its cleanup):
         # without this the entry would keep its slot and its waiters would wait forever.
         if task.cancelled() and not entry.fut.done():

@@ -90,6 +90,12 @@ class Prefetcher:
         self._ema: dict[str, float | None] = {"on": None, "off": None}
         self._t_last: float | None = None
         self._predicted: set[Key] = set()  # this token
+        self._carry: list[Key] = []  # guesses for the next token (predict_next_token)
+        # guess sources: "router" (the next layer's router) and "repeat" (the previous
+        # token's choice): this token's guessed keys -> their sources; per source decayed
+        # [demanded, predicted] counts
+        self._sources: dict[Key, set[str]] = {}
+        self._src: dict[str, list[float]] = {"router": [0.0, 0.0], "repeat": [0.0, 0.0]}
         self._layers: set[int] = set()
         self._win_issued = self._win_useful = self._win_tokens = 0
         self._win_time = 0.0
@@ -113,10 +119,36 @@ class Prefetcher:
         """True while predictions are issued as reads (not probing, not backed off)."""
         return self._mode == "on"
 
-    def predict(self, layer: int, experts: Iterable[int]) -> int:
+    def predict(
+        self,
+        layer: int,
+        experts: Iterable[int],
+        *,
+        repeat: Iterable[int] = (),
+        limit: int | None = None,
+    ) -> int:
         """Record the prediction for `layer` this token and start reads of those not cached
-        (unless probing or backed off). Never waits. Returns the number of reads started."""
-        keys = [(layer, int(e)) for e in experts]
+        (unless probing or backed off); those that find no slot wait for one (ExpertCache.prefetch
+        with defer). experts: the router's guess, best first; repeat: a second guess, the
+        experts the previous token chose there. Guessed by both go first, then the rest of
+        the source whose guesses were demanded more often so far (the router's until both
+        have a record), at most `limit` keys in all. Never waits. Returns the number of reads
+        started at once."""
+        router = [int(e) for e in experts]
+        again = [int(e) for e in repeat]
+        both = set(router) & set(again)
+        first = [e for e in router if e in both]
+        rest = [[e for e in router if e not in both], [e for e in again if e not in both]]
+        if self._source_precision("repeat") > self._source_precision("router"):
+            rest.reverse()
+        order = list(dict.fromkeys(first + rest[0] + rest[1]))[:limit]
+        for e in router:
+            self._sources.setdefault((layer, e), set()).add("router")
+        for e in again:
+            self._sources.setdefault((layer, e), set()).add("repeat")
+        self._src["router"][1] += len(router)
+        self._src["repeat"][1] += len(again)
+        keys = [(layer, e) for e in order]
         new = [k for k in keys if k not in self._predicted]
         self._predicted.update(new)
         self._layers.add(layer)
@@ -124,14 +156,34 @@ class Prefetcher:
         if not self.enabled:
             self._n["skipped"] += len(new)
             return 0
-        started = self.cache.prefetch(layer, [k[1] for k in new])
-        self._n["issued"] += started
-        self._win_issued += started
-        return started
+        return self.cache.prefetch(layer, [k[1] for k in new], defer=True)
+
+    def _source_precision(self, name: str) -> float:
+        """Share of a guess source's predictions (decayed counts) that were demanded."""
+        useful, predicted = self._src[name]
+        return useful / predicted if predicted >= 16 else 0.0
+
+    def on_issued(self, key: Key) -> None:
+        """Called by the cache when a prefetch read starts (at once, or deferred until a
+        slot freed)."""
+        self._n["issued"] += 1
+        self._win_issued += 1
+
+    def predict_next_token(self, layer: int, experts: Iterable[int]) -> None:
+        """Guess `layer`'s experts for the token after this one (e.g. this token's own, at
+        its last layer): queued as reads that start as slots free up (during the output
+        head), kept through `new_token` and judged as that token's predictions."""
+        if not self.enabled:
+            return
+        keys = [(layer, int(e)) for e in experts]
+        self._carry.extend(keys)
+        self.cache.prefetch(layer, [e for _, e in keys], defer=True)
 
     def on_demand(self, key: Key, prefetch_used: bool) -> None:
         """Called by the cache on every demand `get` (prefetch_used: this get is the first
         demand of a record a prefetch read)."""
+        for src in self._sources.pop(key, ()):
+            self._src[src][0] += 1
         if key[0] in self._layers:
             self._n["demanded"] += 1
             if key in self._predicted:
@@ -153,9 +205,20 @@ class Prefetcher:
             self._win_time += now - self._t_last
             self._win_tokens += 1
         self._t_last = now
-        self._n["cancelled"] += self.cache.cancel_prefetches()
+        carry, self._carry = self._carry, []
+        self._n["cancelled"] += self.cache.cancel_prefetches(keep=carry)
         self._predicted.clear()
         self._layers.clear()
+        self._sources.clear()
+        for src in self._src.values():  # decay: the guess sources' recent record counts
+            src[0] *= 0.9
+            src[1] *= 0.9
+        for key in carry:
+            self._sources[key] = {"repeat"}
+        self._src["repeat"][1] += len(carry)
+        self._predicted.update(carry)
+        self._layers.update(k[0] for k in carry)
+        self._n["predicted"] += len(self._predicted)
         if self._win_tokens < self.window:
             return
         kind = "on" if self._mode == "on" else "off"
