@@ -322,3 +322,62 @@ def test_engine_option_validated():
 
     with pytest.raises(ColibriError, match="option activations='q4_0': must be f32, q8_0 or q8_k"):
         EngineOptions(activations="q4_0")
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "rows, cols",
+    [(1, 32), (15, 64), (17, 96), (40, 128), (61, 1056), (237, 4128), (250, 544)],
+)  # fmt: skip
+def test_decode_matvec_bit_equal_to_scalar_twin(qt, rows, cols):
+    """The decode paths (n <= 3 x rows: weight rows in the lanes, one pass over the weights)
+    give the scalar twin's bits at every SIMD level: tail tiles of 1 to 15 rows (16-row tiles
+    with AVX512-VNNI, 8 otherwise), 1 to 4 blocks after the last whole group of 4 (the Q4_0
+    scales, one 64-byte load for 4 blocks), 1 and 2 threads; each x row alone gives the bits
+    it gets in a batch of 2 and 3 (batch invariance); and bias, row scale and accumulate
+    through expert_ffn for 1 to 3 tokens."""
+    rng = np.random.default_rng(rows * 7919 + cols)
+    data, _w = random_weights(rng, qt, rows, cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    x[1] *= 1e-3  # small and large d_x
+    xq = ops.quantize_act(x)
+    d_model, d_ff = 96, 160
+    g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))
+    d, _ = random_weights(rng, qt, d_model, d_ff)
+    h = rng.standard_normal((3, d_model)).astype(np.float32)
+    bg, bu = rng.standard_normal((2, d_ff)).astype(np.float32)
+    bd = rng.standard_normal(d_model).astype(np.float32)
+    rw = rng.uniform(0.1, 1, 3).astype(np.float32)
+    y0 = rng.standard_normal((3, d_model)).astype(np.float32)
+
+    def ffn(m: int, t: int) -> np.ndarray:
+        return ops.expert_ffn(
+            y0[:m].copy(), h[:m], g, u, d, qt, d_model, d_ff, gate_bias=bg, up_bias=bu,
+            down_bias=bd, row_weight=rw[:m], act_q8=True, nthreads=t,
+        )  # fmt: skip
+
+    before = ops.isa()
+    try:
+        ops.set_isa(ops.ISA.SCALAR)
+        y_ref = ops.matmul_q8(data, qt, xq, np.empty((3, rows), np.float32), nthreads=1)
+        f_ref = [ffn(m, 1) for m in (1, 2, 3)]
+        for level in ops.ISA:
+            if not ops.ISA.SCALAR < level <= ops.best_isa():
+                continue
+            ops.set_isa(level)
+            for t in (1, 2):
+                for n in (1, 2, 3):
+                    y = ops.matmul_q8(data, qt, xq[:n], np.full((n, rows), np.nan, np.float32),
+                                      nthreads=t)  # fmt: skip
+                    np.testing.assert_array_equal(y, y_ref[:n], err_msg=f"{level.name} {t}t n={n}")
+                    f = ffn(n, t)
+                    np.testing.assert_array_equal(
+                        f, f_ref[n - 1], err_msg=f"{level.name} ffn n={n}"
+                    )
+                for i in range(3):
+                    yi = ops.matmul_q8(data, qt, xq[i], np.empty(rows, np.float32), nthreads=t)
+                    np.testing.assert_array_equal(yi, y_ref[i], err_msg=f"{level.name} row {i}")
+    finally:
+        ops.set_isa(before)
+    want, mag = q8_reference(data, qt, x)
+    assert np.max(np.abs(y_ref - want) / mag) <= MATMUL_TOL
