@@ -178,3 +178,18 @@ def test_ik_commit_reads_what_the_build_script_recorded(tmp_path):
     assert sec_llama.ik_commit(tmp_path / "bin") is None and sec_llama.ik_commit(None) is None
     (tmp_path / "COMMIT").write_text("8337e4cd3861406fc04e0854b1409cd1b027fbc9\n")
     assert sec_llama.ik_commit(tmp_path / "bin") == "8337e4cd3861"
+
+
+def test_per_layer_tok_s_is_the_extra_layers_rate():
+    """n tokens: an overhead of a s plus c s per full layer; the L- and (L + 1)-layer models'
+    tok/s give back n / c, the rate of one full layer, whatever the overhead."""
+    n, a, c = 512, 0.03, 0.4
+    for layers in (1, 2, 5):
+        small, big = n / (a + layers * c), n / (a + (layers + 1) * c)
+        assert sec_llama.per_layer_tok_s(small, big) == pytest.approx(n / c, rel=1e-12)
+    # a peer that runs almost nothing of the last layer: its 1-layer tok/s says nothing about
+    # a full layer, the difference does
+    assert sec_llama.per_layer_tok_s(2000.0, 100.0) == pytest.approx(1 / (1 / 100 - 1 / 2000))
+    assert sec_llama.per_layer_tok_s(None, 100.0) is None
+    assert sec_llama.per_layer_tok_s(100.0, 0.0) is None
+    assert sec_llama.per_layer_tok_s(100.0, 100.0) is None  # not slower: noise, no figure

@@ -163,11 +163,14 @@ def test_gemm_tiles_bit_equal_to_scalar_twin(qt):
 @pytest.mark.parametrize(
     "rows, cols, n",
     [(237, 1056, 12), (237, 1056, 16), (61, 1056, 28), (45, 512, 32), (45, 512, 8),
-     (21, 16416, 32), (7, 544, 16)],
+     (21, 16416, 32), (7, 544, 16), (237, 1056, 4), (61, 1056, 5), (45, 512, 11),
+     (237, 1056, 20), (61, 1056, 24), (45, 512, 40), (21, 16416, 24), (7, 544, 7),
+     (61, 1056, 23)],
 )  # fmt: skip
 def test_gemm_x_in_lanes_bit_equal_to_scalar_twin(qt, rows, cols, n):
-    """The batch sizes that fill 16-lane columns of x rows (AVX512-VNNI's mmq_gemmx: weights
-    read in place, x transposed) give the scalar twin's bits at every SIMD level: ragged
+    """Batches of x rows in the lanes (AVX512-VNNI's mmq_gemmx: weights read in place, x
+    transposed; 16-lane columns, and an 8-lane last column for the 1..8 rows past a multiple
+    of 16: 7, 8, 23, 24, 40 rows) give the scalar twin's bits at every SIMD level: ragged
     weight rows (tail tiles of 5, 7 rows), a matrix smaller than one tile, x panels over
     several passes (16416 columns: one 16-row column per panel), 1 and 2 threads; and every
     x row alone gives the bits it gets in the batch (batch invariance), as does a call on a
