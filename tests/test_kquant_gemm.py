@@ -117,6 +117,57 @@ def test_one_computation_for_every_isa_batch_and_thread_count(qt):
         np.testing.assert_array_equal(sub.view(np.uint32), want[:, 3:].view(np.uint32))
 
 
+def _extreme_blocks(rng: np.random.Generator, qt: ops.QType, rows: int, cols: int) -> np.ndarray:
+    """Random block bytes (every level, scale and min value occurs) with finite f16 d / dmin,
+    and row 0 at the extremes: every quant byte 0xff (Q4_K levels 15, Q5_K 31, Q6_K 63; Q4_K /
+    Q5_K scales and mins 63), Q6_K's scales -128."""
+    nb = ops.row_nbytes(qt, cols) // (cols // 256)
+    b = rng.integers(0, 256, (rows, cols // 256, nb), dtype=np.uint8)
+    b[0] = 0xFF
+    d_at = (208,) if qt == ops.QType.Q6_K else (0, 2)
+    for o in d_at:  # f16 in [2^-12, 2^-6): finite, varied
+        b[..., o : o + 2] = (
+            (rng.integers(0, 1024, b.shape[:2]) | (3 << 10))
+            .astype(np.uint16)[..., None]
+            .view(np.uint8)
+        )
+    if qt == ops.QType.Q6_K:
+        b[0, :, 192:208] = 0x80
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_decode_tiles_at_extreme_levels_and_many_blocks(qt):
+    """The decode tiles (1-2 x rows, 8 weight rows at a time, KQG_TB = 16 blocks a pass) at the
+    largest products the int16 steps must hold (all levels and scales at their maximum against
+    x = +-127) and past a pass (17 blocks): the scalar twin's bits at every ISA level, alone
+    and in a batch, 1 and 2 threads, and gguf's dequantized product within f32 rounding."""
+    from colibri.compute import ref
+
+    rng = np.random.default_rng(7 + int(qt))
+    rows, cols, n = 19, 17 * 256, 3
+    w = _extreme_blocks(rng, qt, rows, cols)
+    wf = ref.dequantize(w, int(qt), (rows, cols))
+    x = _x(rng, n, cols)
+    x[0] = np.where(np.arange(cols) % 3 == 0, -1.0, 1.0)  # every q = +-127
+    x[1] = 1.0
+    xq = ops.quantize_q8_k(x)
+    xf = q8k_dequantize(xq, cols)
+    want64 = xf.astype(np.float64) @ wf.astype(np.float64).T
+    tol = 1e-5 * (np.abs(xf).astype(np.float64) @ np.abs(wf).astype(np.float64).T)
+    ops.set_isa(ops.ISA.SCALAR)
+    want = ops.matmul_q8k(w, qt, xq, np.empty((n, rows), np.float32), nthreads=1)
+    assert np.all(np.abs(want - want64) <= tol)
+    for isa in ISAS:
+        ops.set_isa(isa)
+        for nt in (1, 2):
+            for i in range(n):
+                one = ops.matmul_q8k(w, qt, xq[i], np.empty(rows, np.float32), nthreads=nt)
+                np.testing.assert_array_equal(one.view(np.uint32), want[i].view(np.uint32))
+            two = ops.matmul_q8k(w, qt, xq[:2], np.empty((2, rows), np.float32), nthreads=nt)
+            np.testing.assert_array_equal(two.view(np.uint32), want[:2].view(np.uint32))
+
+
 def test_matmul_q8k_refuses_bad_arguments():
     rng = np.random.default_rng(1)
     w, _ = random_weights(rng, ops.QType.Q4_K, 8, 256)

@@ -7,7 +7,8 @@ once per call, so matvec GB/s of weights / memory GB/s says how close a kernel r
 speed. The functions come from colibri/bench/kernels.py (make_weights, best_time_cpu, latency_us).
 
 The quantized formats (Q4_0, Q8_0 and issue 15's Q4_K, Q5_K, Q6_K, Q5_1, MXFP4, FP8) run both
-paths: f32 activations (exact) and Q8_0 activations with integer dot products
+paths (Q4_K, Q5_K, Q6_K also Q8_K activations, `ops.matmul_q8k`, the engine's default for
+K-quant experts): f32 activations (exact) and Q8_0 activations with integer dot products
 (`ops.quantize_act` + `ops.matmul_q8`, `expert_ffn(..., act_q8=True)`; the engine's default, as
 llama.cpp's CPU path; FP8 dots the Q8_0 values in f32); the activation quantization is inside
 the timed call. The expert-FFN latency also runs a Q4_K_M-style record (gate/up Q4_K, down
@@ -46,7 +47,11 @@ def weight_mib(quick: bool) -> int:
 
 
 def _acts(qt: ops.QType) -> tuple[str, ...]:
-    return ("f32", "q8_0") if qt in ops.Q8_ACT_TYPES else ("f32",)
+    """Activation paths timed for weight type qt: f32, q8_0 (ops.matmul_q8) where the type has
+    it, and q8_k (ops.matmul_q8k: the engine's default for K-quant experts) for Q8K_ACT_TYPES."""
+    if qt not in ops.Q8_ACT_TYPES:
+        return ("f32",)
+    return ("f32", "q8_0", "q8_k") if qt in ops.Q8K_ACT_TYPES else ("f32", "q8_0")
 
 
 def _matmul_runner(
@@ -59,6 +64,9 @@ def _matmul_runner(
     y = np.empty((n, rows), np.float32)
     if act == "f32":
         call = lambda: ops.matmul(w, qt, x, y, nthreads=t)  # noqa: E731
+    elif act == "q8_k":
+        xk = np.empty((n, COLS // 256 * ops.Q8K_BLOCK_NBYTES), np.uint8)
+        call = lambda: ops.matmul_q8k(w, qt, ops.quantize_q8_k(x, xk), y, nthreads=t)  # noqa: E731
     else:
         xq = np.empty((n, ops.row_nbytes(ops.QType.Q8_0, COLS)), np.uint8)
         call = lambda: ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: E731
@@ -169,7 +177,7 @@ def _gemm(ctx: Context, threads: list[int], rounds: int, rng: np.random.Generato
 
 
 def _label(qt: str, act: str) -> str:
-    return qt.upper() + ("" if act == "f32" else " (q8_0 act)")
+    return qt.upper() + ("" if act == "f32" else f" ({act} act)")
 
 
 def _plot(ctx: Context, rows: list[dict[str, Any]], threads: list[int]) -> str:
