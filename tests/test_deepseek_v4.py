@@ -116,10 +116,10 @@ def test_hash_layers_are_prefetched_exactly(v4):
             predicted, requested = [], []
             predict, request = pipe.prefetcher.predict, pipe.cache.request
 
-            def on_predict(layer, experts):
+            def on_predict(layer, experts, **kw):
                 if layer in hash_layers:
                     predicted.append((layer, sorted(experts)))
-                return predict(layer, experts)
+                return predict(layer, experts, **kw)
 
             def on_request(layer, experts):
                 if layer in hash_layers:
