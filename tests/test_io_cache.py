@@ -99,10 +99,15 @@ async def _no_read_left_pending():
 
 
 def make(num_slots=3, **kw):
+    """A cache over a fake store and reader. Records are not hashed unless the test asks
+    (verify=...): hashing runs in an executor thread, so with it on a load ends after a
+    number of loop iterations that depends on the machine's load, and the tests that count
+    iterations (spin) were flaky on a busy 2-core machine."""
     store = FakeStore()
     pool = SlabPool(N, num_slots)
     reader = FakeReader(pool, store)
     kw.setdefault("min_slots", 1)
+    kw.setdefault("verify", False)
     return store, pool, reader, ExpertCache(store, reader, num_slots * N, **kw)
 
 
@@ -240,7 +245,7 @@ async def test_read_error_reaches_every_waiter_then_retries():
 
 
 async def test_checksum_mismatch_is_a_store_error():
-    _store, pool, reader, cache = make()
+    _store, pool, reader, cache = make(verify="once")
     t = asyncio.create_task(cache.get(3, 3))
     await spin()
     reader.complete((3, 3), data=np.zeros(N, np.uint8))
