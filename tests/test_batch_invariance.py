@@ -56,6 +56,40 @@ def test_matmul_q8_rows_same_alone_or_batched(qt, rows, cols):
         ops.set_isa(ops.best_isa())
 
 
+F32_ACT = [ops.QType.F32, ops.QType.F16, ops.QType.BF16, ops.QType.Q4_0, ops.QType.Q4_1,
+           ops.QType.Q8_0]  # fmt: skip
+
+
+@pytest.mark.parametrize("qt", F32_ACT, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(13, 64), (40, 200), (45, 1440)])
+def test_matmul_f32_rows_same_alone_or_batched(qt, rows, cols):
+    """The f32-activation matmul (`--activations f32`, the f32 / f16 / bf16 dense weights)
+    tiles x rows by 4, 2 and 1: every tile size accumulates a row in the same order, so a
+    row's bits do not depend on its batch (AVX2 once used 4 accumulators for 1 and 2 rows
+    and 2 for 4: a 13-token prompt batched with a 27-token one changed its logits)."""
+    if cols % 32 and qt not in (ops.QType.F32, ops.QType.F16, ops.QType.BF16):
+        pytest.skip("block formats need a multiple of 32 columns")
+    rng = np.random.default_rng(rows * cols)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    data = w if qt == ops.QType.F32 else ops.quantize(w, qt)
+    n = 40
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    try:
+        for level in _levels():
+            ops.set_isa(level)
+            for t in (1, 2):
+                full = ops.matmul(data, qt, x, np.empty((n, rows), np.float32), nthreads=t)
+                for i, m in ((0, 1), (n - 1, 1), (0, 2), (3, 3), (5, 7), (0, 13), (13, 27)):
+                    part = ops.matmul(
+                        data, qt, x[i : i + m], np.empty((m, rows), np.float32), nthreads=t
+                    )
+                    np.testing.assert_array_equal(
+                        _bits(part), _bits(full[i : i + m]), err_msg=f"{level.name} rows {i}+{m}"
+                    )
+    finally:
+        ops.set_isa(ops.best_isa())
+
+
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
 def test_expert_ffn_q8_rows_same_alone_or_batched(qt):
     """The fused FFN (gate/up, activation, down, bias and routing weight) on Q8_0

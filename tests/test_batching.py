@@ -67,12 +67,12 @@ KERNEL_CASES += [(QType.Q4_0, True), (QType.Q8_0, True)]  # Q8_0 activations: th
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize(("qtype", "act_q8"), KERNEL_CASES)
-def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_q8):
-    """Why "split" batches call the kernels per sequence and "fused" ones pad to 4 rows: the
-    f32-activation SIMD matmuls block rows by count (groups of 4, 2, 1), so a row's result
-    depends on how many rows share its call, but not when every call has a multiple of 4 rows
-    (then each row takes the same path). The Q8_0-activation kernels compute every row alike
-    whatever the count (tests/test_batch_invariance.py)."""
+def test_kernel_rows_do_not_depend_on_the_row_count(isa, qtype, act_q8):
+    """Every matmul computes a row alike whatever the number of rows in its call: the
+    f32-activation SIMD matmuls tile x rows in groups of 4, 2 and 1 with one accumulation
+    order for all three (csrc/arch/matmul_simd.inc mm_dot; AVX2 once differed unless the call
+    had a multiple of 4 rows, the reason "fused" batches pad those calls to 4), and the Q8_0-
+    activation kernels compute every row alike (tests/test_batch_invariance.py)."""
     if ops.ISA[isa.upper()] > ops.best_isa():
         pytest.skip(f"{isa} not available here")
     before = ops.isa()
@@ -94,10 +94,7 @@ def test_kernel_rows_depend_on_the_row_count_unless_padded_to_4(isa, qtype, act_
             for start in (0, 1, 3):
                 assert np.array_equal(mm(x[start : start + n]), full[start : start + n])
         unpadded = [n for n in (1, 2, 3, 5, 6, 7) if not np.array_equal(mm(x[:n]), full[:n])]
-        if act_q8:  # the Q8_0-activation kernels are row-invariant at any row count
-            assert not unpadded
-        elif isa == "avx2" or qtype in (QType.Q4_0, QType.Q8_0):
-            assert unpadded  # the reason padding is needed
+        assert not unpadded
     finally:
         ops.set_isa(before)
 
