@@ -74,12 +74,16 @@ def available_memory() -> int:
 
 def generation_defaults(path: Path) -> dict[str, Any]:
     """Sampling defaults from generation_config.json: greedy unless do_sample is true, then
-    its temperature, top_k, top_p, min_p and repetition_penalty. Empty when absent. Raises
-    ColibriError naming the file when a value is out of SamplingParams' range."""
+    its temperature, top_k, top_p, min_p and repetition_penalty. Greedy when the file is
+    absent (transformers' GenerationConfig default: do_sample false). Raises ColibriError
+    naming the file when it is not JSON or a value is out of SamplingParams' range."""
+    f = path / "generation_config.json"
     try:
-        cfg = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
+        cfg = json.loads(f.read_text())
+    except FileNotFoundError:
+        return {"temperature": 0.0}
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ColibriError(f"{f}: not readable JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise ColibriError(f"{path / 'generation_config.json'}: expected a JSON object")
     if not cfg.get("do_sample"):

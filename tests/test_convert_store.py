@@ -5,8 +5,10 @@ weights as the gguf package dequantizes them."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -60,8 +62,11 @@ def test_f32_store_of_the_demo_holds_its_dequantized_weights(demo_f32):
             got = np.frombuffer(ref_blob, np.float32, int(np.prod(rspec.shape)),
                                 r.offset + rspec.offset).reshape(rspec.shape)  # fmt: skip
             np.testing.assert_array_equal(got, _q8_0(raw, spec.shape), err_msg=f"{rec} {role}")
-    for f in demo.manifest["tokenizer_files"]:
-        assert (demo_f32 / f).read_bytes() == (DEMO_STORE / f).read_bytes()
+    for f in [*demo.manifest["tokenizer_files"], "generation_config.json"]:
+        assert (demo_f32 / f).read_bytes() == (DEMO_STORE / f).read_bytes(), f
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(demo_f32.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
 
 
 def test_eval_reference_with_the_f32_demo(demo_f32, tmp_path):
@@ -89,3 +94,11 @@ def test_a_store_of_another_family_is_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"Mixtral stores .* model_type 'qwen3_moe'"):
         convert(src, tmp_path / "out", quant="f32", dense_quant="f32")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_names_the_store_not_its_temporary_copy(tmp_path):
+    """The demo's expert rows (192, 320 weights) cannot be q4_k: the message names the store."""
+    res = colibri("convert", str(DEMO_STORE), str(tmp_path / "out"), "--quant", "q4_k")
+    assert res.returncode == 1
+    assert str(DEMO_STORE) in res.stderr and "colibri-store-src" not in res.stderr, res.stderr
+    assert "q4_k needs a multiple of 256 columns" in res.stderr

@@ -129,6 +129,24 @@ async def test_generation_config_not_an_object(base_store, tmp_path):  # noqa: F
             pass
 
 
+async def test_no_generation_config_is_greedy(base_store, tmp_path):  # noqa: F811
+    """Without generation_config.json sampling is greedy (README, transformers' do_sample
+    default): repeated unseeded runs give the tokens of temperature 0; a file that is not
+    JSON is refused naming it."""
+    store = tmp_path / "store"
+    shutil.copytree(base_store, store)
+    (store / "generation_config.json").unlink(missing_ok=True)
+    async with open_engine(store, io="threads") as engine:
+        assert engine.generation_defaults == {"temperature": 0.0}
+        greedy = [t.token_id async for t in engine.stream([3, 4], max_tokens=8, temperature=0)]
+        for _ in range(3):
+            assert [t.token_id async for t in engine.stream([3, 4], max_tokens=8)] == greedy
+    (store / "generation_config.json").write_text("{")
+    with pytest.raises(ColibriError, match=r"generation_config\.json: not readable JSON"):
+        async with open_engine(store, io="threads"):
+            pass
+
+
 @pytest.mark.parametrize(
     "cfg, field", [({"temperature": "hot"}, "temperature"), ({"top_p": 2}, "top_p")]
 )

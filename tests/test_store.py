@@ -163,6 +163,10 @@ def _edit_manifest(path, fn):
             r"dense\.safetensors: tensor 'model\.norm\.weight' is BF16 \[64\], manifest",
         ),
         (lambda m: m["dense"].pop("lm_head.weight"), r"differ from manifest 'dense'"),
+        (
+            lambda m: m["dense"]["lm_head.weight"].update(qtype="q8_0", shape=[8, 191]),
+            r"manifest\.json: dense\.lm_head\.weight\.shape \[8, 191\]: q8_0 needs a multiple",
+        ),
     ],
 )
 def test_manifest_errors_name_the_field(tmp_path, edit, pattern):

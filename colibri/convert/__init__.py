@@ -172,7 +172,10 @@ def convert(
 
         with tempfile.TemporaryDirectory(prefix="colibri-store-src-") as tmp:
             hf = store_to_hf(src, Path(tmp) / "hf")
-            return convert_hf(hf, Path(out), quant, dense_quant, force, show_progress)
+            try:
+                return convert_hf(hf, Path(out), quant, dense_quant, force, show_progress)
+            except ConversionError as exc:  # name the store, not the temporary copy
+                raise ConversionError(str(exc).replace(str(hf), str(src))) from None
     return convert_hf(src, Path(out), quant, dense_quant, force, show_progress)
 
 

@@ -66,6 +66,11 @@ def store_to_hf(src: Path, out: Path) -> Path:
     out.mkdir(parents=True)
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(store.config))
-    for f in store.manifest.get("tokenizer_files", []):
-        (out / f).write_bytes((src / f).read_bytes())
+    from colibri.convert import TOKENIZER_FILES
+
+    # the manifest's list, and the sidecar files a store may hold beside it (the demo's
+    # generation_config.json: its sampling defaults)
+    for f in dict.fromkeys([*store.manifest.get("tokenizer_files", []), *TOKENIZER_FILES]):
+        if (src / f).is_file():
+            (out / f).write_bytes((src / f).read_bytes())
     return out

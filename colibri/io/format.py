@@ -437,7 +437,10 @@ class Store:
             if xxh3 is not None and not (isinstance(xxh3, str) and _HEX64.fullmatch(xxh3)):
                 raise StoreError(f"{w}.xxh3 {xxh3!r} is not 16 hex digits")
             h = header[name]
-            want_dtype, want_shape = dense_dtype_shape(qtype, shape)
+            try:
+                want_dtype, want_shape = dense_dtype_shape(qtype, shape)
+            except StoreError as exc:
+                raise StoreError(f"{w}.shape {shape}: {exc}") from None
             if h["dtype"] != want_dtype or list(h["shape"]) != want_shape:
                 raise StoreError(
                     f"{self.dense_path}: tensor {name!r} is {h['dtype']} {h['shape']}, manifest "
@@ -752,7 +755,8 @@ def open_store(path: str | os.PathLike[str]) -> Store:
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
-        raise StoreError(f"{path}: not a store directory")
+        why = "no such file or directory" if not path.exists() else "a file, not a directory"
+        raise StoreError(f"{path}: not a store directory ({why})")
     if not mpath.is_file():
         raise StoreError(f"{mpath}: missing (not a colibri store?)")
     try:
@@ -815,6 +819,9 @@ class StoreWriter:
             _check_replaceable(self.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
+        umask = os.umask(0)  # mkdtemp makes it 0700; the store gets a directory's usual mode
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)
         self.layout = layout
         self.layouts = dict(layouts or {})
         for layer, lay in self.layouts.items():
