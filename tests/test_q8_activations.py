@@ -389,7 +389,7 @@ def test_decode_matvec_bit_equal_to_scalar_twin(qt, rows, cols):
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [8, 9, 16, 17, 40, 53])
 def test_gemm_register_tiles_bit_equal_to_scalar_twin(qt, rows):
-    """The batch GEMMs (AVX2: mmq_gemm_tile below 16 x rows, Q4_0's mmq_gemm2 from 16, 16-row
+    """The batch GEMMs (AVX2: mmq_gemm_tile below 12 x rows, Q4_0's mmq_gemm2 from 12, 16-row
     tiles x 3 x rows, a remainder of 1 taken as 2 + 2) give the scalar twin's bits for every n
     from 4 to 22 (every remainder of the x-row tiles, both sides of the switch), weight tiles
     with only their first 8 rows (9, 17, 40, 53 rows) or fewer, 1 and 2 threads; each x row
