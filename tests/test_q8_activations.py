@@ -384,3 +384,37 @@ def test_decode_matvec_bit_equal_to_scalar_twin(qt, rows, cols):
         ops.set_isa(before)
     want, mag = q8_reference(data, qt, x)
     assert np.max(np.abs(y_ref - want) / mag) <= MATMUL_TOL
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [8, 9, 16, 17, 40, 53])
+def test_gemm_register_tiles_bit_equal_to_scalar_twin(qt, rows):
+    """The batch GEMMs (AVX2: mmq_gemm_tile below 12 x rows, Q4_0's mmq_gemm2 from 12, 16-row
+    tiles x 3 x rows, a remainder of 1 taken as 2 + 2) give the scalar twin's bits for every n
+    from 4 to 22 (every remainder of the x-row tiles, both sides of the switch), weight tiles
+    with only their first 8 rows (9, 17, 40, 53 rows) or fewer, 1 and 2 threads; each x row
+    alone gets the bits it gets in the batch."""
+    rng = np.random.default_rng(rows * 31 + 7)
+    cols = 160
+    data, _w = random_weights(rng, qt, rows, cols)
+    x = rng.standard_normal((22, cols)).astype(np.float32)
+    x[2] *= 1e-3  # small and large d_x
+    xq = ops.quantize_act(x)
+    before = ops.isa()
+    try:
+        ops.set_isa(ops.ISA.SCALAR)
+        y_ref = ops.matmul_q8(data, qt, xq, np.empty((22, rows), np.float32), nthreads=1)
+        for level in ops.ISA:
+            if not ops.ISA.SCALAR < level <= ops.best_isa():
+                continue
+            ops.set_isa(level)
+            for n in range(4, 23):
+                for t in (1, 2):
+                    y = ops.matmul_q8(data, qt, xq[:n], np.full((n, rows), np.nan, np.float32),
+                                      nthreads=t)  # fmt: skip
+                    np.testing.assert_array_equal(y, y_ref[:n], err_msg=f"{level.name} {t}t n={n}")
+            for i in (0, 2, 21):
+                yi = ops.matmul_q8(data, qt, xq[i], np.empty(rows, np.float32))
+                np.testing.assert_array_equal(yi, y_ref[i], err_msg=f"{level.name}, row {i}")
+    finally:
+        ops.set_isa(before)

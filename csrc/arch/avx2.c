@@ -89,6 +89,7 @@ dec_block(int fmt, const uint8_t *blk, __m256 d, __m256 m, __m256 w[4]) {
 
 #include "matmul_simd.inc"
 
+#define MMQ_AVX2_GEMM 1 /* the AVX2 batch GEMM (mmq_gemm2); the AVX-512 levels keep theirs */
 #define MMQ_FN clb_mmq_rows_avx2
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx2
 #include "matmul_q8.inc"
