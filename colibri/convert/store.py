@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.convert import TOKENIZER_FILES
 from colibri.errors import ConversionError
 from colibri.io.format import open_store
 
@@ -66,8 +67,6 @@ def store_to_hf(src: Path, out: Path) -> Path:
     out.mkdir(parents=True)
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(store.config))
-    from colibri.convert import TOKENIZER_FILES
-
     # the manifest's list, and the sidecar files a store may hold beside it (the demo's
     # generation_config.json: its sampling defaults)
     for f in dict.fromkeys([*store.manifest.get("tokenizer_files", []), *TOKENIZER_FILES]):
