@@ -117,6 +117,23 @@ def test_prefill_breakdown_names_the_parts_where_colibri_is_slower():
     assert sec_llama.pp_at(runs[0], 2048) is None
 
 
+def test_decode_breakdown_states_each_weight_part_rate():
+    split = {"routed experts": 0.004, "LM head": 0.002, "router": 0.0,
+             "other (Python, gathers, residual sums, thread hand-offs)": 0.001}  # fmt: skip
+    sf = {"experts_nbytes_per_token": 80_000_000, "lm_head_nbytes": 30_000_000,
+          "attention_nbytes": 1, "active_bytes_per_token": 120_000_000}  # fmt: skip
+    line = sec_llama.decode_breakdown(split, sf, 40.0, "colibri")
+    assert (
+        "7.00 ms a token; at the read bound (40.0 GB/s) the weight reads alone take 3.00 ms" in line
+    )
+    # 80 MB in 4 ms = 20 GB/s = half of 40; 30 MB in 2 ms = 15 GB/s
+    assert "routed experts 4.00 ms (57%) at 20.0 GB/s = 50% of the read bound" in line
+    assert "LM head 2.00 ms (29%) at 15.0 GB/s = 38% of the read bound" in line
+    assert "other (Python, gathers, residual sums, thread hand-offs) 1.00 ms (14%)." in line
+    assert "router" not in line
+    assert "read bound" not in sec_llama.decode_breakdown(split, sf, None, "colibri")
+
+
 def test_part_timer_splits_a_real_prefill(tmp_path):
     """The child's breakdown on a tiny converted Mixtral: the parts and the rest add up to the
     pass, the routed experts and attention took time, and uninstall restores the functions."""

@@ -258,6 +258,38 @@ class PartTimer:
             setattr(obj, name, fn)
 
 
+def decode_breakdown(
+    split: dict[str, float], sf: dict[str, Any], mem_gbps: float | None, name: str
+) -> str:
+    """Markdown: where a decoded token's time goes (split: PartTimer seconds per token of a
+    second decode), each weight-reading part with the GB/s it streamed its weights at (sf:
+    store_figures) and its share of the read bound (mem_gbps, GB/s)."""
+    nbytes = {"routed experts": sf.get("experts_nbytes_per_token"),
+              "LM head": sf.get("lm_head_nbytes"),
+              "attention (projections, norm, RoPE)": sf.get("attention_nbytes")}  # fmt: skip
+    total = sum(split.values())
+    parts = []
+    for k, v in sorted(split.items(), key=lambda kv: -kv[1]):
+        if v <= 0:
+            continue
+        txt = f"{k} {v * 1e3:.2f} ms ({v / total:.0%})"
+        if nbytes.get(k):
+            gbps = nbytes[k] / v / 1e9
+            txt += f" at {gbps:.1f} GB/s" + (f" = {gbps / mem_gbps:.0%} of the read bound"
+                                             if mem_gbps else "")  # fmt: skip
+        parts.append(txt)
+    at_bound = ""
+    if mem_gbps:
+        ms = sf["active_bytes_per_token"] / mem_gbps / 1e6
+        at_bound = (
+            f"; at the read bound ({mem_gbps:.1f} GB/s) the weight reads alone take {ms:.2f} ms"
+        )
+    return (
+        f"Decode per token by part ({name}, a second decode of the same length under a "
+        f"timer, {total * 1e3:.2f} ms a token{at_bound}): " + ", ".join(parts) + "."
+    )
+
+
 def breakdown_line(split: dict[str, float], n_prompt: int) -> str:
     """'part X ms (Y%)' for each part of a prefill of n_prompt tokens, largest first."""
     total = sum(split.values()) or 1.0
@@ -328,6 +360,15 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
                 "wait_io_s_per_token": (eng.pipeline.times.wait_io - io0) / a.n_gen,
                 "compute_s_per_token": (eng.pipeline.times.compute - comp0) / a.n_gen,
             }
+            if a.breakdown:  # a second decode, timed by part (the wrappers cost ~1 us a call)
+                timer = PartTimer()
+                try:
+                    _, dt2, _ = await timed_greedy(eng, seq, logits, a.n_gen)
+                    out["decode_breakdown_s"] = {
+                        k: v / a.n_gen for k, v in timer.split(dt2).items()
+                    }
+                finally:
+                    timer.uninstall()
         st = eng.cache.statistics()
         out |= {
             "budget": st.budget_nbytes,
@@ -458,6 +499,10 @@ def store_figures(store_path: Path) -> dict[str, Any]:
         * 3
         * cfg["hidden_size"]
         * cfg["intermediate_size"],
+        # weight bytes per decoded token by part (the decode breakdown's GB/s)
+        "lm_head_nbytes": dense.get("lm_head.weight", dense["model.embed_tokens.weight"]),
+        "attention_nbytes": sum(v for n, v in dense.items() if ".self_attn." in n),
+        "experts_nbytes_per_token": moe_layers * cfg["num_experts_per_tok"] * expert,
         "store_nbytes": sum(dense.values()) + len(st.records) * st.layout.record_nbytes,
         "dense_nbytes": sum(dense.values()),
         "record_nbytes": st.layout.record_nbytes,
@@ -730,6 +775,8 @@ def run(ctx: Context) -> Section:
                   f"{1e3 / bound if bound else float('nan'):.1f} ms. Both engines share 2 cores "
                   f"with whatever else runs (load average at the start is in the machine "
                   f"record).\n")  # fmt: skip
+        if r.get("decode_breakdown_s"):
+            md.append(decode_breakdown(r["decode_breakdown_s"], sf, mem_gbps, best_tg) + "\n")
         md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
                                 vname[variants[0]], sf["expert_macs_per_token"],
                                 peer_names)  # fmt: skip
