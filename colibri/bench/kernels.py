@@ -18,6 +18,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,11 +30,14 @@ def best_time(fn, repeat: int) -> float:
     return best_time_cpu(fn, repeat)[0]
 
 
-def best_time_cpu(fn, repeat: int) -> tuple[float, float]:
-    """(wall, process CPU seconds) of the fastest of `repeat` runs, after a warm-up run."""
+def best_time_cpu(fn, repeat: int, before=None) -> tuple[float, float]:
+    """(wall, process CPU seconds) of the fastest of `repeat` runs, after a warm-up run;
+    `before` (if given) runs untimed before each timed run (an L3 eviction: l3_evictor)."""
     fn()  # warm up (page faults, thread pool start)
     runs = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         t, c = time.perf_counter(), time.process_time()
         fn()
         runs.append((time.perf_counter() - t, time.process_time() - c))
@@ -56,6 +60,34 @@ def copy_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
             t.join()
 
     return 2 * per * 4 * nthreads / best_time(run, repeat) / 1e9
+
+
+def l3_nbytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the largest cache sysfs reports under cache_dir (cpu0's; 0 when it reports
+    none). Virtual machines may report the host socket's whole L3 (480 MiB seen here)."""
+    best = 0
+    for d in Path(cache_dir).glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best
+
+
+def l3_evictor(nbytes: int, nthreads: int, l3: int | None = None):
+    """A callable that pushes an nbytes working set out of the last-level cache (a streaming
+    read of 2x the L3, l3 bytes (default l3_nbytes()), through ops.mem_read), or None when 2x
+    nbytes already exceeds the L3:
+    timings of a working set the L3 could hold would be cache figures, not memory ones."""
+    l3 = l3_nbytes() if l3 is None else l3
+    if not l3 or 2 * nbytes > l3:
+        return None
+    buf = np.ones(min(2 * l3, 4 << 30), np.uint8)
+    return lambda: ops.mem_read(buf, nthreads)
 
 
 def read_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
@@ -119,6 +151,7 @@ def main() -> None:
     print("act q8_0: activations quantized to Q8_0 (included in the time), integer dots.")
     print(f"{'format':<6} {'act':<4} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12}"
           f" {'of mem bw':>10} {'GFLOP/s':>8} {'cpu%':>5}")  # fmt: skip
+    evict = l3_evictor(args.mib << 20, nt)  # matvecs read memory, not an L3 holding w
     for name in args.formats.split(","):
         qt = ops.QType.parse(name)
         rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
@@ -135,7 +168,7 @@ def main() -> None:
                 else:
                     ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: B023
 
-            s, cpu = best_time_cpu(run, args.repeat)
+            s, cpu = best_time_cpu(run, args.repeat, evict if n == 1 else None)
             gbs = w.nbytes / s / 1e9
             print(f"{qt.name:<6} {act:<4} {n:>3} {t:>3} {s * 1e3:8.2f} {gbs:12.2f} "
                   f"{gbs / bw[t]:9.0%} {2 * n * rows * args.cols / s / 1e9:8.1f}"

@@ -55,10 +55,17 @@ def _acts(qt: ops.QType) -> tuple[str, ...]:
 
 
 def _matmul_runner(
-    w: np.ndarray, qt: ops.QType, n: int, act: str, t: int, rng: np.random.Generator
+    w: np.ndarray,
+    qt: ops.QType,
+    n: int,
+    act: str,
+    t: int,
+    rng: np.random.Generator,
+    evict: Callable[[], Any] | None = None,
 ) -> Callable[[], tuple[float, float]]:
     """A callable timing one (format, activation type, n, threads) point: (wall, CPU) seconds
-    of the best of REPEAT calls after a warm-up (colibri/bench/kernels.py best_time_cpu)."""
+    of the best of REPEAT calls after a warm-up (colibri/bench/kernels.py best_time_cpu),
+    `evict` (untimed) before each (bench_kernels.l3_evictor)."""
     rows = w.shape[0]
     x = rng.standard_normal((n, COLS)).astype(np.float32)
     y = np.empty((n, rows), np.float32)
@@ -70,7 +77,7 @@ def _matmul_runner(
     else:
         xq = np.empty((n, ops.row_nbytes(ops.QType.Q8_0, COLS)), np.uint8)
         call = lambda: ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: E731
-    return lambda: bench_kernels.best_time_cpu(call, REPEAT)
+    return lambda: bench_kernels.best_time_cpu(call, REPEAT, evict)
 
 
 def _ffn_runner(qt: str, q8: bool, t: int, rng: np.random.Generator, repeat: int) -> Callable:
@@ -230,7 +237,10 @@ def run(ctx: Context) -> Section:
         weights[name] = bench_kernels.make_weights(qt, nrows, COLS, rng)
     points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f))
               for n in (1, BATCH) for t in threads]  # fmt: skip
-    runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng)
+    # weights an L3 could hold (480 MiB reported on some VMs) are evicted before each call
+    evict = bench_kernels.l3_evictor(mib << 20, ctx.threads)
+    runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng,
+                                 evict)
                for p in points}  # fmt: skip
     cpu: dict[tuple, list[float]] = {p: [] for p in points}
 
@@ -274,8 +284,14 @@ def run(ctx: Context) -> Section:
     d_model, d_ff = FFN_SHAPE
     md = [
         f"Matvec (n = 1) and batch-{BATCH} matmul through `ops.matmul` on {mib} MiB of random "
-        f"weights per format ([rows, {COLS}], bigger than L3, each byte read once per call); "
-        "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "
+        f"weights per format ([rows, {COLS}], each byte read once per call; "
+        + (
+            f"the L3 reported here ({bench_kernels.l3_nbytes() >> 20} MiB) could hold them, so "
+            "an untimed streaming read of twice the L3 before each timed call evicts them); "
+            if evict is not None
+            else "bigger than the L3); "
+        )
+        + "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "
         f"of x included; the engine's default). Time per point: best of {REPEAT} calls after "
         f"a warm-up, median over {rounds} interleaved rounds. *of mem* = weight GB/s / memory "
         "read GB/s (streaming SIMD read in C, same thread count, the higher of the limits "
