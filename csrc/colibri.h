@@ -134,6 +134,9 @@ int clb_q8_act_supported(int qtype);
  * the XOR of its 64-bit words (as int64) in *xor_out, so the reads cannot be optimised away;
  * time it from the caller for the streaming read bandwidth. */
 int clb_mem_read(int64_t *xor_out, const void *buf, int64_t nbytes, int nthreads);
+/* Evict every cache line of buf (nbytes) from every cache level (clflush) and fence, so that
+ * its next read comes from memory; the benchmarks call it between timed calls. */
+int clb_cache_flush(const void *buf, int64_t nbytes);
 
 /* ---- small ops (ops.c) ----------------------------------------------------------------- */
 /* y[n, d] = x / sqrt(mean(x^2) + eps) * w; w nullable (= 1); y may alias x. */

@@ -81,3 +81,15 @@ int clb_mem_read(int64_t *xor_out, const void *buf, int64_t nbytes, int nthreads
     *xor_out = (int64_t)atomic_load(&j.sum);
     return CLB_OK;
 }
+
+/* Write back and evict every cache line of buf from every cache level (clflush, SSE2: every
+ * x86-64), then fence: the next read of buf comes from memory (a streaming read of 2x the L3
+ * does not evict reliably: the L3's adaptive replacement keeps lines read several times). */
+int clb_cache_flush(const void *buf, int64_t nbytes) {
+    if ((!buf && nbytes) || nbytes < 0) return CLB_EINVAL;
+    const uint8_t *p = buf;
+    for (int64_t o = 0; o < nbytes; o += 64) _mm_clflush(p + o);
+    if (nbytes) _mm_clflush(p + nbytes - 1);
+    _mm_mfence();
+    return CLB_OK;
+}

@@ -13,8 +13,12 @@ def test_l3_nbytes_takes_the_largest_cache(tmp_path):
 
 
 def test_l3_evictor_only_when_the_l3_could_hold_the_weights():
-    assert kernels.l3_evictor(64 << 20, 1, l3=32 << 20) is None  # 64 MiB never fits 32
-    assert kernels.l3_evictor(64 << 20, 1, l3=0) is None  # no cache reported
-    evict = kernels.l3_evictor(1 << 20, 1, l3=8 << 20)
+    import numpy as np
+
+    w = np.ones(1 << 20, np.uint8)
+    assert kernels.l3_evictor(w, l3=1 << 20) is None  # 1 MiB is more than half of 1 MiB
+    assert kernels.l3_evictor(w, l3=0) is None  # no cache reported
+    evict = kernels.l3_evictor(w, l3=8 << 20)
     assert evict is not None
-    evict()  # a streaming read of 16 MiB: runs, returns
+    evict()  # clflush of every line: runs, leaves the data as it was
+    assert int(w.sum()) == 1 << 20

@@ -78,16 +78,15 @@ def l3_nbytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     return best
 
 
-def l3_evictor(nbytes: int, nthreads: int, l3: int | None = None):
-    """A callable that pushes an nbytes working set out of the last-level cache (a streaming
-    read of 2x the L3, l3 bytes (default l3_nbytes()), through ops.mem_read), or None when 2x
-    nbytes already exceeds the L3:
-    timings of a working set the L3 could hold would be cache figures, not memory ones."""
+def l3_evictor(w: np.ndarray, l3: int | None = None):
+    """A callable that evicts w from every cache level (ops.cache_flush), or None when w is
+    more than half the L3 (l3 bytes, default l3_nbytes()) and calls over it read memory
+    anyway: timings of a working set the L3 could hold would be cache figures, not memory
+    ones."""
     l3 = l3_nbytes() if l3 is None else l3
-    if not l3 or 2 * nbytes > l3:
+    if not l3 or 2 * w.nbytes > l3:
         return None
-    buf = np.ones(min(2 * l3, 4 << 30), np.uint8)
-    return lambda: ops.mem_read(buf, nthreads)
+    return lambda: ops.cache_flush(w)
 
 
 def read_bandwidth(nbytes: int, nthreads: int, repeat: int) -> float:
@@ -151,11 +150,11 @@ def main() -> None:
     print("act q8_0: activations quantized to Q8_0 (included in the time), integer dots.")
     print(f"{'format':<6} {'act':<4} {'n':>3} {'thr':>3} {'ms':>8} {'weight GB/s':>12}"
           f" {'of mem bw':>10} {'GFLOP/s':>8} {'cpu%':>5}")  # fmt: skip
-    evict = l3_evictor(args.mib << 20, nt)  # matvecs read memory, not an L3 holding w
     for name in args.formats.split(","):
         qt = ops.QType.parse(name)
         rows = (args.mib << 20) // ops.row_nbytes(qt, args.cols)
         w = make_weights(qt, rows, args.cols, rng)
+        evict = l3_evictor(w)  # matvecs read memory, not an L3 holding w
         acts = ("f32", "q8_0") if qt in ops.Q8_ACT_TYPES else ("f32",)
         for n, act, t in ((n, a, t) for n in (1, 8, 64) for a in acts for t in sorted({1, nt})):
             x = rng.standard_normal((n, args.cols)).astype(np.float32)

@@ -246,9 +246,9 @@ def run(ctx: Context) -> Section:
     points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f))
               for n in (1, BATCH) for t in threads]  # fmt: skip
     # weights an L3 could hold (480 MiB reported on some VMs) are evicted before each call
-    evict = bench_kernels.l3_evictor(mib << 20, ctx.threads)
+    evict = {f: bench_kernels.l3_evictor(w) for f, w in weights.items()}
     runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng,
-                                 evict)
+                                 evict[p[0]])
                for p in points}  # fmt: skip
     cpu: dict[tuple, list[float]] = {p: [] for p in points}
 
@@ -300,8 +300,8 @@ def run(ctx: Context) -> Section:
         f"weights per format ([rows, {COLS}], each byte read once per call; "
         + (
             f"the L3 reported here ({bench_kernels.l3_nbytes() >> 20} MiB) could hold them, so "
-            "an untimed streaming read of twice the L3 before each timed call evicts them); "
-            if evict is not None
+            "each is flushed from every cache level (clflush, untimed) before each timed call); "
+            if evict["q4_0"] is not None
             else "bigger than the L3); "
         )
         + "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "

@@ -765,6 +765,15 @@ def mem_read(buf: Buffer, nthreads: int = 0) -> int:
     return int(out[0]) & 0xFFFFFFFFFFFFFFFF
 
 
+def cache_flush(buf: Buffer) -> None:
+    """Evict every cache line of `buf` (any C-contiguous buffer) from every cache level
+    (x86 clflush) and fence: its next read comes from memory. For benchmarks that time reads
+    of a working set an L3 could hold (bench/, bench.kernels.l3_evictor). GIL held; about
+    5 ms per 64 MiB here."""
+    _check(lib.clb_cache_flush(ffi.from_buffer(buf), _nbytes(buf, "cache_flush: buf")),
+           "cache_flush")  # fmt: skip
+
+
 # ---- small ops (norms, rope, softmax, top-k, activations) and attention -----------------------
 
 
