@@ -210,3 +210,26 @@ def test_per_layer_tok_s_is_the_extra_layers_rate():
     assert sec_llama.per_layer_tok_s(None, 100.0) is None
     assert sec_llama.per_layer_tok_s(100.0, 0.0) is None
     assert sec_llama.per_layer_tok_s(100.0, 100.0) is None  # not slower: noise, no figure
+
+
+def test_child_decodes_after_a_context_of_depth_tokens(tmp_path, capsys):
+    """The colibri child's --depth: the timed decode starts after a context of exactly that
+    many tokens (llama-bench's -d / ik_llama.cpp's -gp), and the store's KV geometry gives the
+    bound's KV bytes per token."""
+    import json
+
+    from colibri.convert import convert
+    from tests import hf_models
+
+    hf_models.save_with_tokenizer("mixtral", tmp_path / "hf", seed=2)
+    convert(tmp_path / "hf", tmp_path / "store", quant="q8_0", dense_quant="q8_0")
+    args = [str(tmp_path / "store"), "--budget", str(1 << 30), "--threads", "1", "--n-ctx",
+            "128", "--n-gen", "3", "--depth", "100", "--activations", "q8_0"]  # fmt: skip
+    assert sec_llama.child_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_prompt_decode"] == 100 and out["tg_tok_s"] > 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert sec_llama.store_figures(tmp_path / "store")["kv_dim"] == (
+        cfg["num_key_value_heads"] * head_dim
+    )

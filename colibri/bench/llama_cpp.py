@@ -124,21 +124,30 @@ def run_llama_bench(
     repetitions: int = 3,
     extra: list[str] | None = None,
     bindir: Path | None = None,
+    depth: int = 0,
+    ik: bool = False,
 ) -> dict[str, Any]:
     """Prefill and decode speed of `gguf` from llama-bench's JSON output (the llama-bench in
     `bindir`, default llama.cpp's; ik_llama.cpp's llama-bench takes the same options and JSON).
 
     Runs `llama-bench -m GGUF -t threads -p n_prompt -n n_gen -r repetitions -o json` (one pp
     test per prompt size in n_prompt, one tg test generating n_gen tokens after an empty
-    context; llama-bench warms up first). Returns {"pp_tok_s", "tg_tok_s" (means; pp_tok_s of
-    the first prompt size), "pp_samples", "tg_samples" (tok/s per repetition), "pp_by_n"
-    ({prompt size: mean tok/s}), "build_commit", "cpu_info", "model_size" (bytes),
-    "model_n_params", "cmd"}. A side is None when its count is 0.
+    context; llama-bench warms up first). With `depth` > 0 it runs the tg test only, after a
+    context of `depth` tokens: llama.cpp's `-p 0 -n n_gen -d depth`, or with `ik` (the binary
+    is ik_llama.cpp's, which has no -d) its `-p 0 -n 0 -gp depth,n_gen`. Returns {"pp_tok_s",
+    "tg_tok_s" (means; pp_tok_s of the first prompt size), "pp_samples", "tg_samples" (tok/s
+    per repetition), "pp_by_n" ({prompt size: mean tok/s}), "build_commit", "cpu_info",
+    "model_size" (bytes), "model_n_params", "cmd"}. A side is None when its count is 0.
     Raises FileNotFoundError (no build), subprocess.CalledProcessError (llama-bench failed)."""
     sizes = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
-    cmd = [_exe("llama-bench", bindir), "-m", str(gguf), "-t", str(threads), "-p",
-           ",".join(str(n) for n in sizes), "-n", str(n_gen), "-r", str(repetitions), "-o",
-           "json", *(extra or [])]  # fmt: skip
+    if depth and ik:
+        tests = ["-p", "0", "-n", "0", "-gp", f"{depth},{n_gen}"]
+    elif depth:
+        tests = ["-p", "0", "-n", str(n_gen), "-d", str(depth)]
+    else:
+        tests = ["-p", ",".join(str(n) for n in sizes), "-n", str(n_gen)]
+    cmd = [_exe("llama-bench", bindir), "-m", str(gguf), "-t", str(threads), *tests, "-r",
+           str(repetitions), "-o", "json", *(extra or [])]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)

@@ -176,6 +176,14 @@ def machine_info(work: Path) -> dict[str, Any]:
     cpuinfo = _read("/proc/cpuinfo")
     model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if
                   ln.startswith("model name")), platform.processor())  # fmt: skip
+    # a VM's model name may be just "AMD EPYC": family / model / stepping tell the generation
+    # (AMD family 25 is Zen 3 / Zen 4, 26 is Zen 5; Intel family 6 models by number)
+    fms = {k: next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
+                    if ln.split(":", 1)[0].strip() == k), "")
+           for k in ("cpu family", "model", "stepping")}  # fmt: skip
+    if fms["cpu family"]:
+        model += (f" (family {fms['cpu family']} model {fms['model']} "
+                  f"stepping {fms['stepping']})")  # fmt: skip
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if
                   ln.startswith("flags")), [])  # fmt: skip
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",

@@ -57,6 +57,7 @@ COLIBRI_OVERHEAD = 192 << 20
 # llama.cpp's default repack under a cgroup limit thrashed for 13 min, reading 432 GB
 PEER_TIME_LIMIT_S = 900
 PREFILL_SIZES = (64, 512, 2048)  # prompt tokens of the in-RAM prefill rows (issue 23)
+DECODE_DEPTH = 2048  # context tokens before the "decode at depth" row (issue 23)
 
 
 # ---- pure figures (unit-tested) -----------------------------------------------------------
@@ -343,6 +344,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
             seq = eng.new_sequence()
             bos = eng.store.config.get("bos_token_id") or 1
             ids = eng.encode_prompt(a.text) if a.text else [bos]
+            if a.depth:  # decode at a context of `depth` tokens (llama-bench -d / -gp)
+                rng = np.random.default_rng(1)
+                ids = [bos, *rng.integers(10, eng.spec.vocab_size, a.depth - 1).tolist()]
             t1 = time.perf_counter()
             logits = await eng.forward(seq, ids)
             out["n_prompt_decode"] = len(ids)
@@ -401,6 +405,9 @@ def child_main(argv: list[str]) -> int:
     ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--n-gen", type=int, default=0, help="timed greedy decode of N tokens")
     ap.add_argument("--text", default="", help="decode after this prompt (default: BOS)")
+    ap.add_argument(
+        "--depth", type=int, default=0, help="decode after N context tokens (random; untimed)"
+    )
     ap.add_argument("--warm", action="store_true", help="load every expert before timing")
     ap.add_argument("--activations", default="")
     a = ap.parse_args(argv)
@@ -493,6 +500,9 @@ def store_figures(store_path: Path) -> dict[str, Any]:
     moe_layers = len({rec.layer for rec in st.records})
     return {
         "layers": cfg["num_hidden_layers"],
+        # K (or V) elements per token per layer: the KV cache a decode step reads
+        "kv_dim": (cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
         # routed experts' multiply-adds per token: gate, up and down of top_k experts per layer
         "expert_macs_per_token": moe_layers
         * cfg["num_experts_per_tok"]
@@ -526,6 +536,72 @@ def _fio_gbps(ctx: Context, experts: Path) -> float:
 
 
 # ---- the section --------------------------------------------------------------------------
+
+
+def decode_at_depth(
+    ctx: Context, store: Path, gguf: Path, ik_dir: Path | None, sf: dict[str, Any],
+    mem_gbps: float | None, n_gen: int, reps: int, activations: str,
+) -> tuple[list[str], Headline, dict[str, Any]]:  # fmt: skip
+    """Decode of `n_gen` tokens after DECODE_DEPTH tokens of context, in RAM, every engine in
+    interleaved rounds: llama.cpp `llama-bench -d`, ik_llama.cpp `-gp` (as built and -rtr 1),
+    colibri's child with --depth. Returns (markdown lines, the headline, raw data)."""
+    depth = DECODE_DEPTH
+    raw: dict[str, list[dict[str, Any]]] = {}
+
+    def peer(name: str, extra: list[str], bdir: Path | None) -> float:
+        r = llama_cpp.run_llama_bench(gguf, ctx.threads, 0, n_gen, reps, extra, bindir=bdir,
+                                      depth=depth, ik=bdir is not None)  # fmt: skip
+        ctx.record(r.pop("cmd"))
+        raw.setdefault(name, []).append(r)
+        return r["tg_tok_s"]
+
+    cname = f"colibri ({activations} activations)"
+
+    def col() -> float:
+        args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads", str(ctx.threads),
+                "--n-ctx", str(depth + n_gen + 8), "--n-gen", str(n_gen), "--depth", str(depth),
+                "--warm", "--activations", activations]  # fmt: skip
+        r = run_colibri(ctx, args)
+        if r["returncode"]:
+            raise RuntimeError(f"colibri child failed: {r['error']}")
+        raw.setdefault(cname, []).append(r)
+        return r["tg_tok_s"]
+
+    runs: dict[str, Any] = {"llama.cpp": lambda: peer("llama.cpp", [], None)}
+    if ik_dir is not None:
+        runs["ik_llama.cpp"] = lambda: peer("ik_llama.cpp", [], ik_dir)
+        runs["ik_llama.cpp (-rtr 1)"] = lambda: peer("ik_llama.cpp (-rtr 1)", ["-rtr", "1"],
+                                                     ik_dir)  # fmt: skip
+    runs[cname] = col
+    ctx.log(f"decode at {depth} tokens of context: {store.name}, {ctx.rounds} rounds")
+    interleave(runs, ctx.rounds, ctx.log)
+    med = {name: median([r["tg_tok_s"] for r in rs]) for name, rs in raw.items()}
+    peers = {n: v for n, v in med.items() if not n.startswith("colibri")}
+    best = max(peers, key=lambda n: peers[n]) if peers else None
+    # KV bytes read per token at this depth, as each engine keeps them: colibri's f32 cache,
+    # the peers' f16 (llama-bench's default); the bound counts colibri's
+    kv = 2 * sf["layers"] * sf["kv_dim"] * depth * 4
+    nbytes = sf["active_bytes_per_token"] + kv
+    bound = mem_gbps * 1e9 / nbytes if mem_gbps else None
+    rows = [[n, v, "—" if not best else f"{v / peers[best]:.2f}×",
+             "—" if not bound else f"{v / bound:.0%}"] for n, v in med.items()]  # fmt: skip
+    md = [
+        f"**Decode at {depth} tokens of context.** {n_gen} greedy tokens after a context of "
+        f"{depth} tokens (untimed prefill), medians of {ctx.rounds} interleaved rounds: "
+        f"llama.cpp `llama-bench -p 0 -n {n_gen} -d {depth}`, ik_llama.cpp `llama-bench -p 0 "
+        f"-n 0 -gp {depth},{n_gen}` (flash attention on, its default), colibri's child with "
+        f"`--depth {depth}` (f32 KV cache). The bound adds colibri's KV reads "
+        f"({kv / 1e6:.0f} MB a token) to the {sf['active_bytes_per_token'] / 1e6:.0f} MB of "
+        f"weights: {fmt(bound) if bound else '—'} tok/s at {fmt(mem_gbps)} GB/s.",
+        "",
+        table(["engine", f"decode tok/s at {depth}", "vs best peer", "of bound"], rows),
+        "",
+    ]
+    head = Headline(f"Decode at {depth} tokens of context, model fits in RAM", "tok/s",
+                    med[cname], peers.get(best) if best else None, bound,
+                    "memory bandwidth bound (weights + KV)", "≥ 1.2× the best peer",
+                    f"{cname}; peer: {best or 'did not run'}")  # fmt: skip
+    return md, head, {"depth": depth, "runs": raw, "medians": med, "bound_tok_s": bound}
 
 
 def run(ctx: Context) -> Section:
@@ -677,6 +753,10 @@ def run(ctx: Context) -> Section:
                      f"{sf['store_nbytes'] / 1e9:.2f} GB Mixtral-shaped Q4_0; {best_tg}; "
                      f"peer: {peer_names.get('tg') or 'did not run'}"),
         ]  # fmt: skip
+        if gguf is not None:
+            deep_md, deep_head, fits["at_depth"] = decode_at_depth(
+                ctx, store, gguf, ik_dir, sf, mem_gbps, n_gen, reps, variants[0])  # fmt: skip
+            heads.append(deep_head)
         lay_med = {name: {"tg": None, "pp": None, "pp_by_n": {n: v for n, v in pl.items() if v}}
                    for name, pl in per_layer.items()}  # fmt: skip
         lay_peer, lay_names = best_peer(lay_med)
@@ -777,6 +857,8 @@ def run(ctx: Context) -> Section:
                   f"record).\n")  # fmt: skip
         if r.get("decode_breakdown_s"):
             md.append(decode_breakdown(r["decode_breakdown_s"], sf, mem_gbps, best_tg) + "\n")
+        if gguf is not None:
+            md += deep_md
         md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
                                 vname[variants[0]], sf["expert_macs_per_token"],
                                 peer_names)  # fmt: skip
