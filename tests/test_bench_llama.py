@@ -233,3 +233,37 @@ def test_child_decodes_after_a_context_of_depth_tokens(tmp_path, capsys):
     assert sec_llama.store_figures(tmp_path / "store")["kv_dim"] == (
         cfg["num_key_value_heads"] * head_dim
     )
+
+
+def test_thrash_note_bounds_a_peer_the_clock_ended():
+    """A peer ended by the wall clock made fewer than N tokens in T s: its cell says < N / T
+    tok/s and how much it read; a peer that failed otherwise keeps its outcome."""
+    m = {"timeouts": 1, "runs": 1, "ok": 0, "oom_kills": 0, "read_bytes": 43_210_000_000}
+    assert sec_llama.thrash_note(m, 6, 120.0) == (
+        "< 0.05 tok/s (did not finish 6 tokens in 120 s; read 43 GB)"
+    )
+    m |= {"timeouts": 0, "oom_kills": 1}
+    assert sec_llama.thrash_note(m, 6, 120.0) == "killed by the OOM killer (1×)"
+
+
+def test_run_capped_counts_what_the_process_group_read_from_storage(tmp_path):
+    """run_capped's stats: the storage bytes its processes read (/proc/PID/io), here a child
+    reading a 32 MiB file whose page cache was dropped first."""
+    import os
+    import sys
+
+    from colibri.bench import llama_cpp
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(32 << 20))
+    llama_cpp.drop_file_cache(path)
+    with open("/proc/mounts") as f:
+        mounts = [ln.split() for ln in f]
+    fs = max((m for m in mounts if str(path).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    if fs in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{tmp_path} is on {fs}: no storage reads to count")
+    code = f"import time; open({str(path)!r}, 'rb').read(); time.sleep(1.5)"
+    stats: dict = {}
+    res, timed_out = llama_cpp.run_capped([sys.executable, "-c", code], 30, stats=stats)
+    assert not timed_out and res.returncode == 0
+    assert stats["read_bytes"] >= 0.9 * (32 << 20)

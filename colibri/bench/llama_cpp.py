@@ -83,21 +83,61 @@ def drop_file_cache(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def group_read_bytes(pgid: int, seen: dict[int, int]) -> int:
+    """Bytes the processes of process group `pgid` have had read from storage so far
+    (/proc/PID/io `read_bytes`: page-cache misses, mmap faults included), summed over every
+    process seen in the group: `seen` ({pid: bytes}) keeps the last figure of processes that
+    have since exited. 0 where /proc/PID/io is not readable."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            io = (d / "io").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        for line in io.splitlines():
+            if line.startswith("read_bytes:"):
+                seen[int(d.name)] = max(seen.get(int(d.name), 0), int(line.split()[1]))
+    return sum(seen.values())
+
+
 def run_capped(
-    cmd: list[str], time_limit: float | None, preexec_fn: Any = None, **kwargs: Any
+    cmd: list[str],
+    time_limit: float | None,
+    preexec_fn: Any = None,
+    stats: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> tuple[subprocess.CompletedProcess, bool]:
     """Run `cmd` (text output captured, stdin /dev/null) in a session of its own; past
     `time_limit` seconds of wall clock (None: no limit) its whole process group is ended,
     SIGTERM then SIGKILL after 5 s (a thrashing peer under a memory limit may not even get to
     handle the first), so no grandchild (e.g. llama.cpp under /usr/bin/time) outlives it.
+    With `stats`, its "read_bytes" is set to what the group read from storage
+    (group_read_bytes, sampled every 0.5 s and at the end: a lower bound).
     Returns (the CompletedProcess with what it wrote, timed_out)."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         text=True, start_new_session=True, preexec_fn=preexec_fn, **kwargs,
     )  # fmt: skip
     timed_out = False
+    seen: dict[int, int] = {}
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     try:
-        out, err = proc.communicate(timeout=time_limit)
+        while True:
+            wait = None if stats is None else 0.5
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                if stats is not None:
+                    stats["read_bytes"] = group_read_bytes(proc.pid, seen)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
     except subprocess.TimeoutExpired:
         timed_out = True
         for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
@@ -258,28 +298,32 @@ def run_completion(
     drop_cache: bool = True,
     extra: list[str] | None = None,
     time_limit: float | None = 3600,
+    ik_bindir: Path | None = None,
 ) -> dict[str, Any]:
     """Generate `n` tokens greedily after `prompt` with `llama-completion -no-cnv` (llama.cpp's
-    default mmap loading), under `/usr/bin/time -v`, optionally inside a memory cgroup of
-    `memory_limit` bytes.
+    default mmap loading; with `ik_bindir`, ik_llama.cpp's `llama-cli` from there, whose
+    default is not conversation mode), under `/usr/bin/time -v`, optionally inside a memory
+    cgroup of `memory_limit` bytes.
 
     Returns {"wall_s", "wall_tok_s" (n / wall time, loading included), "decode_tok_s" and
     "prompt_tok_s" (llama.cpp's own eval timings), "n_prompt", "n_gen", "peak_rss_bytes"
     (max RSS, file-backed mapped pages included), "cgroup_peak_bytes" (with a limit: peak of
     the cgroup, page cache included), "oom_kills" (with a limit: processes the OOM killer
-    ended), "timed_out" (ended after `time_limit` s of wall clock, see run_capped), "cmd",
+    ended), "timed_out" (ended after `time_limit` s of wall clock, see run_capped),
+    "read_bytes" (read from storage by its processes, a lower bound: group_read_bytes), "cmd",
     "returncode"}; a run killed by the limit or the clock has a non-zero returncode and None
     timings. Raises FileNotFoundError (no build),
     PermissionError (memory_limit given but cgroups are not writable)."""
     if drop_cache:
         drop_file_cache(gguf)
-    cmd = ["/usr/bin/time", "-v", _exe("llama-completion"), "-m", str(gguf), "-p", prompt,
-           "-n", str(n), "-t", str(threads), "-no-cnv", "--temp", "0", "--ignore-eos",
-           "-c", "4096", *(extra or [])]  # fmt: skip
+    exe = [_exe("llama-cli", ik_bindir)] if ik_bindir else [_exe("llama-completion"), "-no-cnv"]
+    cmd = ["/usr/bin/time", "-v", *exe, "-m", str(gguf), "-p", prompt, "-n", str(n), "-t",
+           str(threads), "--temp", "0", "--ignore-eos", "-c", "4096", *(extra or [])]  # fmt: skip
     ctx = memory_cgroup(memory_limit) if memory_limit else contextlib.nullcontext(None)
+    stats: dict[str, Any] = {}
     with ctx as cg:
         t0 = time.perf_counter()
-        res, timed_out = run_capped(cmd, time_limit, _join(cg["procs"]) if cg else None)
+        res, timed_out = run_capped(cmd, time_limit, _join(cg["procs"]) if cg else None, stats)
         wall = time.perf_counter() - t0
     perf = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in _PERF.findall(res.stderr)}
     rss = _RSS.search(res.stderr)
@@ -297,6 +341,7 @@ def run_completion(
         "memory_limit": memory_limit,
         "timed_out": timed_out,
         "time_limit_s": time_limit,
+        "read_bytes": stats.get("read_bytes"),
         "returncode": res.returncode,
         "cmd": cmd,
         "stderr_tail": res.stderr[-1500:] if not ok else "",

@@ -45,10 +45,14 @@ def tool(name: str) -> str:
 
 @dataclass
 class Headline:
-    """One row of the report's headline table: colibri vs llama.cpp vs the physical limit.
+    """One row of the report's headline table: colibri vs llama.cpp and ik_llama.cpp vs the
+    physical limit.
 
-    value/peer/limit are in `unit` (None: not measured); `note` says what the limit is or why a
-    figure is missing. ratio_peer = value / peer, ratio_limit = value / limit."""
+    value/peer (llama.cpp)/ik (ik_llama.cpp, its faster variant)/limit are in `unit` (None:
+    not measured); peer_note / ik_note stand in the peer's cell when its figure is missing
+    (e.g. "< 0.05 (did not finish 6 tokens in 100 s; read 43 GB)"); `note` says what the limit
+    is or why a figure is missing. ratio_peer = value / the best peer's figure, ratio_limit =
+    value / limit."""
 
     scenario: str
     unit: str
@@ -58,10 +62,19 @@ class Headline:
     limit_name: str = ""
     target: str = ""
     note: str = ""
+    ik: float | None = None
+    peer_note: str = ""
+    ik_note: str = ""
+
+    @property
+    def best_peer(self) -> float | None:
+        have = [x for x in (self.peer, self.ik) if x]
+        return max(have) if have else None
 
     @property
     def ratio_peer(self) -> float | None:
-        return self.value / self.peer if self.value and self.peer else None
+        best = self.best_peer
+        return self.value / best if self.value and best else None
 
     @property
     def ratio_limit(self) -> float | None:
@@ -251,14 +264,16 @@ def headline_table(heads: Sequence[Headline]) -> str:
     for h in heads:
         rp, rl = h.ratio_peer, h.ratio_limit
         rows.append([
-            h.scenario, h.unit, h.value, h.peer, "—" if rp is None else f"{rp:.2f}×",
+            h.scenario, h.unit, h.value, h.peer_note if h.peer is None and h.peer_note
+            else h.peer, h.ik_note if h.ik is None and h.ik_note else h.ik,
+            "—" if rp is None else f"{rp:.2f}×",
             f"{fmt(h.limit)} ({h.limit_name})" if h.limit is not None else "—",
             "—" if rl is None else f"{rl:.0%}" + (" (noise: limit measured apart)" if rl > 1.05
                                                    else ""),
             h.target or "—", h.note,
         ])  # fmt: skip
-    header = ["scenario", "unit", "colibri", "llama.cpp", "colibri / llama.cpp", "limit",
-              "of limit", "target", "note"]  # fmt: skip
+    header = ["scenario", "unit", "colibri", "llama.cpp", "ik_llama.cpp", "colibri / best peer",
+              "limit", "of limit", "target", "note"]  # fmt: skip
     return table(header, rows)
 
 
@@ -281,7 +296,7 @@ def write_report(ctx: Context, machine: dict[str, Any], sections: list[Section])
         f"colibri {machine['colibri_commit']} · {'quick' if ctx.quick else 'full'} mode, "
         f"{ctx.threads} threads, {ctx.rounds} interleaved rounds (medians shown)",
         "",
-        "## Headline: colibri vs llama.cpp vs the limits",
+        "## Headline: colibri vs llama.cpp and ik_llama.cpp vs the limits",
         "",
         headline_table(heads) if heads else "_no headline figures (see sections)_",
         "",

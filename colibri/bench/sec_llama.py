@@ -53,9 +53,9 @@ PROMPT = "The history of the hummingbird begins in the forests of South America,
 # colibri process holds besides its dense weights and expert slabs (peak RSS minus those two
 # measured ~0.1 GB here; the rest is headroom for the page cache the cgroup is charged for)
 COLIBRI_OVERHEAD = 192 << 20
-# wall-clock limit of one peer's run under the memory limit (quick runs: a third of it):
+# wall-clock limit of one peer's run under the memory limit (quick runs: 120 s):
 # llama.cpp's default repack under a cgroup limit thrashed for 13 min, reading 432 GB
-PEER_TIME_LIMIT_S = 900
+PEER_TIME_LIMIT_S = 300
 PREFILL_SIZES = (64, 512, 2048)  # prompt tokens of the in-RAM prefill rows (issue 23)
 DECODE_DEPTH = 2048  # context tokens before the "decode at depth" row (issue 23)
 
@@ -94,6 +94,21 @@ def best_peer(
     return out, names
 
 
+def split_peers(med: dict[str, Any], get: Any) -> dict[str, Any]:
+    """The headline's two peer cells from medians {engine name: figures}: llama.cpp's figure
+    and ik_llama.cpp's best variant (as built or -rtr 1), `get(figures)` picking the figure
+    (None: not measured). Returns {"peer": llama.cpp or None, "ik": ik or None} for
+    Headline(**...)."""
+    lcpp = get(med["llama.cpp"]) if "llama.cpp" in med else None
+    iks = [v for n, m in med.items() if n.startswith("ik_llama") and (v := get(m))]
+    return {"peer": lcpp or None, "ik": max(iks) if iks else None}
+
+
+def pp_n(m: dict[str, Any], n: int) -> float | None:
+    """Median figures' prefill tok/s at n tokens (None: not measured)."""
+    return m["pp_by_n"].get(n)
+
+
 def active_bytes_per_token(
     dense_nbytes: dict[str, int],
     embedding: str,
@@ -121,6 +136,17 @@ def outcome(runs: int, ok: int, oom_kills: int, timeouts: int, time_limit_s: flo
     if oom_kills:
         return f"killed by the OOM killer ({oom_kills}×)"
     return f"failed {runs - ok}/{runs}"
+
+
+def thrash_note(m: dict[str, Any], n_gen: int, time_limit_s: float) -> str:
+    """What bounds a peer that did not finish under the memory limit (summary figures `m`):
+    "< x tok/s (did not finish N tokens in T s; read G GB)" when the clock ended it (it made
+    fewer than N tokens in T s; G from its processes' storage reads), else its outcome."""
+    if not m["timeouts"]:
+        return outcome(m["runs"], m["ok"], m["oom_kills"], 0, time_limit_s)
+    read = f"; read {m['read_bytes'] / 1e9:.0f} GB" if m.get("read_bytes") else ""
+    return (f"< {n_gen / time_limit_s:.2g} tok/s (did not finish {n_gen} tokens in "
+            f"{time_limit_s:.0f} s{read})")  # fmt: skip
 
 
 def colibri_budget(
@@ -598,9 +624,9 @@ def decode_at_depth(
         "",
     ]
     head = Headline(f"Decode at {depth} tokens of context, model fits in RAM", "tok/s",
-                    med[cname], peers.get(best) if best else None, bound,
-                    "memory bandwidth bound (weights + KV)", "≥ 1.2× the best peer",
-                    f"{cname}; peer: {best or 'did not run'}")  # fmt: skip
+                    med[cname], limit=bound, limit_name="memory bandwidth bound (weights + KV)",
+                    target="≥ 1.2× the best peer", note=f"{cname}; best peer: "
+                    f"{best or 'did not run'}", **split_peers(med, lambda v: v))  # fmt: skip
     return md, head, {"depth": depth, "runs": raw, "medians": med, "bound_tok_s": bound}
 
 
@@ -748,10 +774,12 @@ def run(ctx: Context) -> Section:
         fits |= {"best_decode": best_tg, "best_prefill": best_pp, "llama_cpp_commit": build,
                  "ik_llama_cpp_commit": ik_build, "best_peer": peer_names}  # fmt: skip
         heads += [
-            Headline("Decode, model fits in RAM", "tok/s", med[best_tg]["tg"], peer["tg"], bound,
-                     "memory bandwidth bound", "≥ 1.2× the best peer",
-                     f"{sf['store_nbytes'] / 1e9:.2f} GB Mixtral-shaped Q4_0; {best_tg}; "
-                     f"peer: {peer_names.get('tg') or 'did not run'}"),
+            Headline("Decode, model fits in RAM", "tok/s", med[best_tg]["tg"], limit=bound,
+                     limit_name="memory bandwidth bound",
+                     target="≥ 1.2× the best peer, ≥ 90% of the bound",
+                     note=f"{sf['store_nbytes'] / 1e9:.2f} GB Mixtral-shaped Q4_0; {best_tg}; "
+                     f"best peer: {peer_names.get('tg') or 'did not run'}",
+                     **split_peers(med, lambda m: m["tg"])),
         ]  # fmt: skip
         if gguf is not None:
             deep_md, deep_head, fits["at_depth"] = decode_at_depth(
@@ -764,18 +792,20 @@ def run(ctx: Context) -> Section:
         for n in sizes:
             best = max(ours, key=lambda c: med[c]["pp_by_n"][n] or 0.0)
             heads.append(Headline(f"Prefill {n} tokens, model fits in RAM", "tok/s",
-                                  med[best]["pp_by_n"][n], peer["pp_by_n"].get(n),
+                                  med[best]["pp_by_n"][n],
                                   target="" if lay_ours else "≥ 1.0× the best peer",
                                   note=f"{best}; unequal work: the peers run the last layer's "
-                                  f"FFN for the last token only; peer: "
-                                  f"{peer_names.get(n) or 'did not run'}"))  # fmt: skip
+                                  f"FFN for the last token only; best peer: "
+                                  f"{peer_names.get(n) or 'did not run'}",
+                                  **split_peers(med, lambda m, n=n: pp_n(m, n))))  # fmt: skip
         for n in sizes if lay_ours else ():
             v = lay_med[lay_ours[0]]["pp_by_n"].get(n)
             heads.append(Headline(f"Prefill {n} tokens, one full layer (equal work)", "tok/s",
-                                  v, lay_peer["pp_by_n"].get(n), target="≥ 1.0× the best peer",
+                                  v, target="≥ 1.0× the best peer",
                                   note=f"{lay_ours[0]}; from the {fits_layers}- and "
-                                  f"{fits_layers + 1}-layer models; peer: "
-                                  f"{lay_names.get(n) or 'did not run'}"))  # fmt: skip
+                                  f"{fits_layers + 1}-layer models; best peer: "
+                                  f"{lay_names.get(n) or 'did not run'}",
+                                  **split_peers(lay_med, lambda m, n=n: pp_n(m, n))))  # fmt: skip
         rows = []
         for name, m in med.items():
             pp_ratio = " / ".join(
@@ -885,16 +915,16 @@ def run(ctx: Context) -> Section:
         limit = sf["store_nbytes"] // 2 // (1 << 20) << 20
         budget = colibri_budget(limit, sf["dense_nbytes"], sf["record_nbytes"])
         ctx_len = 128
-        time_limit = PEER_TIME_LIMIT_S / 3 if quick else PEER_TIME_LIMIT_S
+        time_limit = PEER_TIME_LIMIT_S / 2.5 if quick else PEER_TIME_LIMIT_S
         big |= {"store": str(store), "gguf": str(gguf) if gguf else None, **sf,
                 "limit_bytes": limit, "colibri_budget": budget, "n_gen": big_gen}  # fmt: skip
         files = [store / "experts.bin", store / "dense.safetensors"]
         raw = {}
 
-        def llama_run(name: str, extra: list[str]) -> float:
+        def llama_run(name: str, extra: list[str], ik: Path | None = None) -> float:
             r = llama_cpp.run_completion(gguf, PROMPT, big_gen, ctx.threads, memory_limit=limit,
                                          extra=["-c", str(ctx_len), *extra],
-                                         time_limit=time_limit)  # fmt: skip
+                                         time_limit=time_limit, ik_bindir=ik)  # fmt: skip
             ctx.record(f"(in a memory cgroup limited to {limit} bytes) " + shlex.join(r.pop("cmd")))
             raw.setdefault(name, []).append(r)
             return r["decode_tok_s"] or 0.0
@@ -942,6 +972,8 @@ def run(ctx: Context) -> Section:
             runs["llama.cpp (mmap, --no-repack)"] = lambda: llama_run(
                 "llama.cpp (mmap, --no-repack)", ["--no-repack"]
             )
+            if ik_dir is not None:  # its run-time repack (-rtr) is off by default: the mmap
+                runs["ik_llama.cpp (mmap)"] = lambda: llama_run("ik_llama.cpp (mmap)", [], ik_dir)
         if budget:
             runs[cname] = colibri_run
         else:
@@ -960,6 +992,7 @@ def run(ctx: Context) -> Section:
                 "cgroup_peak": max((r.get("cgroup_peak_bytes") or 0 for r in rs), default=None),
                 "oom_kills": sum(r.get("oom_kills") or 0 for r in rs),
                 "timeouts": sum(bool(r.get("timed_out")) for r in rs),
+                "read_bytes": max((r.get("read_bytes") or 0 for r in rs), default=0),
                 "runs": len(rs), "ok": len(ok),
             }  # fmt: skip
         big["summary"] = summary
@@ -970,8 +1003,19 @@ def run(ctx: Context) -> Section:
         big |= {"disk_gbps": disk, "disk_source": disk_source, "disk_runs": fio_runs,
                 "reader_runs": reader_runs, "bytes_read_per_token": bpt,
                 "bound_tok_s": bound}  # fmt: skip
-        peers = {n: m["tg"] for n, m in summary.items() if n.startswith("llama") and m["tg"]}
+        peers = {n: m["tg"] for n, m in summary.items()
+                 if not n.startswith("colibri") and m["tg"]}  # fmt: skip
         peer_name = max(peers, key=peers.get) if peers else None
+        # each peer's cell: its best variant's tok/s, or what bounds a thrashing one
+        cells: dict[str, Any] = {"peer": None, "ik": None, "peer_note": "", "ik_note": ""}
+        for key, prefix in (("peer", "llama.cpp"), ("ik", "ik_llama")):
+            mine = {n: m for n, m in summary.items() if n.startswith(prefix)}
+            have = [m["tg"] for m in mine.values() if m["tg"]]
+            if have:
+                cells[key] = max(have)
+            elif mine:
+                cells[f"{key}_note"] = "; ".join(
+                    thrash_note(m, big_gen, time_limit) for m in mine.values())  # fmt: skip
         c = summary.get(cname, {}).get("tg")
         panels.append({"title": "Decode, model 2× the memory limit",
                        "bars": {n: m["tg"] for n, m in summary.items()},
@@ -980,13 +1024,15 @@ def run(ctx: Context) -> Section:
                                    else "failed" for n, m in summary.items() if not m["tg"]},
                        "limit": bound, "limit_name": "storage bound"})  # fmt: skip
         heads.append(Headline(
-            "Decode, model 2× the memory limit", "tok/s", c, peers.get(peer_name), bound,
-            "storage bound" if bound else "", "≥ 3× llama.cpp",
-            f"{sf['store_nbytes'] / 1e9:.2f} GB model, {limit / 2**30:.2f} GiB cgroup limit; "
-            f"peer: {peer_name or 'did not run'}"))  # fmt: skip
+            "Decode, model 2× the memory limit", "tok/s", c, limit=bound,
+            limit_name="storage bound" if bound else "", target="≥ 3× the best peer",
+            note=f"{sf['store_nbytes'] / 1e9:.2f} GB model, {limit / 2**30:.2f} GiB cgroup "
+            f"limit; best peer: {peer_name or 'did not run'}", **cells))  # fmt: skip
         rows = []
         for name, sm in summary.items():
             status = outcome(sm["runs"], sm["ok"], sm["oom_kills"], sm["timeouts"], time_limit)
+            if not sm["tg"] and sm["timeouts"]:
+                status = thrash_note(sm, big_gen, time_limit)
             rows.append([name, sm["tg"],
                          "—" if not (c and sm["tg"]) else f"{c / sm['tg']:.2f}×",
                          _gb(sm["peak_rss"]), _gb(sm["cgroup_peak"]), status])  # fmt: skip
@@ -1000,7 +1046,8 @@ def run(ctx: Context) -> Section:
             f"dropped before each run. llama.cpp: `llama-completion -no-cnv -c {ctx_len}` "
             f"with its default mmap, {big_gen} greedy tokens after a short prompt; its "
             f"default Q4_0 repack copies the weights into anonymous memory, so it is also run "
-            f"with `--no-repack`, which keeps them on the mmap. colibri: expert budget "
+            f"with `--no-repack`, which keeps them on the mmap; ik_llama.cpp: its `llama-cli` "
+            f"with the same options (its repack, -rtr, is off by default). colibri: expert budget "
             f"{budget / 1e9:.2f} GB ({budget // sf['record_nbytes']} of {sf['num_records']} "
             f"records of {sf['record_nbytes'] / 1e6:.0f} MB) beside "
             f"{sf['dense_nbytes'] / 1e9:.2f} GB of dense weights, O_DIRECT reads (no page "
