@@ -135,11 +135,12 @@ def per_layer_tok_s(small: float | None, big: float | None) -> float | None:
     """Prefill tok/s of one more full layer: an engine that prefills n tokens at `small` tok/s
     on a model of L layers and at `big` on the same model with L + 1 spends n / big - n / small
     seconds in the extra layer, so the layer alone runs at 1 / (1 / big - 1 / small) tok/s.
-    llama.cpp's graph (and ik_llama.cpp's) runs the last layer's FFN, and its attention
-    but for K and V, only for the tokens whose logits are asked for (llama-bench: the last
-    one), so a model's tok/s is not the work colibri does (every layer over every token);
-    one more full layer is the same work in both. None when a figure is missing or the bigger
-    model was not slower (noise)."""
+    Every engine runs the last layer's FFN only for the tokens whose logits are asked for
+    (llama-bench: the last one; llama.cpp's inp_out_ids, colibri's Pipeline.skip_unused_rows),
+    and each skips a different share of that layer's attention (llama.cpp none of it but
+    the FFN's input rows, colibri all but K and V), so a model's tok/s mixes full and partial
+    layers; one more full layer (attention and FFN over every token) is the same work in
+    every engine. None when a figure is missing or the bigger model was not slower (noise)."""
     if not small or not big or big >= small:
         return None
     return 1.0 / (1.0 / big - 1.0 / small)
@@ -220,11 +221,12 @@ class PartTimer:
         # a trip's ready experts in one call (Model.expert_ffn_group): routed experts too
         self._saved.append((model.Model, "expert_ffn_group", model.Model.expert_ffn_group))
         model.Model.expert_ffn_group = self._wrap("routed experts", model.Model.expert_ffn_group)
-        # Model.attention (per sequence) runs inside attention_batch: time it only when alone
-        self._saved.append((model.Model, "attention", model.Model.attention))
-        model.Model.attention = self._wrap(
-            "attention (projections, norm, RoPE)", model.Model.attention
-        )
+        # Model.attention (per sequence) runs inside attention_batch, and both inside
+        # attention_rows (the last layer): each is timed only when outermost
+        for name in ("attention", "attention_rows"):
+            fn = getattr(model.Model, name)
+            self._saved.append((model.Model, name, fn))
+            setattr(model.Model, name, self._wrap("attention (projections, norm, RoPE)", fn))
 
     def _wrap(self, label: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -618,9 +620,9 @@ def run(ctx: Context) -> Section:
                       "pp_by_n": {n: median([pp_at(r, n) for r in rs]) for n in sizes}}
                for name, rs in raw.items()}  # fmt: skip
         fits["medians"] = med
-        # equal work: one more full layer (per_layer_tok_s), from the same engines' prefill of
-        # the model with one more layer, rounds interleaved; the peers' pp on `gguf` alone
-        # skips most of the last layer
+        # one more full layer (per_layer_tok_s), from the same engines' prefill of the model
+        # with one more layer, rounds interleaved: every engine's pp on `gguf` alone skips
+        # most of the last layer (its FFN for all tokens but the last)
         per_layer: dict[str, dict[int, float | None]] = {}
         store2, gguf2, _ = ensure_model(ctx, fits_layers + 1, have_llama)
         if store2 is not None and gguf2 is not None and gguf is not None:
@@ -685,9 +687,9 @@ def run(ctx: Context) -> Section:
             best = max(ours, key=lambda c: med[c]["pp_by_n"][n] or 0.0)
             heads.append(Headline(f"Prefill {n} tokens, model fits in RAM", "tok/s",
                                   med[best]["pp_by_n"][n], peer["pp_by_n"].get(n),
-                                  target="" if lay_ours else "≥ 1.0× the best peer",
-                                  note=f"{best}; unequal work: the peers run the last layer's "
-                                  f"FFN for the last token only; peer: "
+                                  target="≥ 1.0× the best peer",
+                                  note=f"{best}; every engine runs the last layer's FFN for "
+                                  f"the last token only; peer: "
                                   f"{peer_names.get(n) or 'did not run'}"))  # fmt: skip
         for n in sizes if lay_ours else ():
             v = lay_med[lay_ours[0]]["pp_by_n"].get(n)
@@ -753,14 +755,17 @@ def run(ctx: Context) -> Section:
                                  *("—" if not (pl.get(n) and best_n.get(n))
                                    else f"{pl[n] / best_n[n]:.2f}×" for n in sizes)])  # fmt: skip
             md += [
-                f"**Prefill of one full layer (equal work).** llama.cpp and ik_llama.cpp run the "
-                f"last layer's FFN (and its attention but for K and V) only for the tokens "
-                f"whose logits are asked for, the last one in llama-bench; colibri runs every "
-                f"layer over every token. On the {fits_layers}-layer model the peers' prefill "
-                f"above is therefore mostly K/V projections. Each engine's prefill of the same "
+                f"**Prefill of one full layer.** Every engine above runs the last layer's MoE "
+                f"only for the tokens whose logits are asked for, the last one here "
+                f"(llama.cpp and ik_llama.cpp: `inp_out_ids`, the rows cut after the "
+                f"attention block; colibri: `Pipeline.skip_unused_rows`, the rows cut after K "
+                f"and V, so its last layer also computes queries, attention and the output "
+                f"projection for the last token only; same logits as computing every row). "
+                f"On the {fits_layers}-layer model the prefill above is therefore mostly "
+                f"attention (colibri: K/V projections). Each engine's prefill of the same "
                 f"model with {fits_layers + 1} layers (interleaved rounds) gives the time of one "
-                f"more full layer (attention and MoE over every token): n / (n / pp("
-                f"{fits_layers + 1}) - n / pp({fits_layers})).",
+                f"more full layer (attention and MoE over every token), the same work in every "
+                f"engine: n / (n / pp({fits_layers + 1}) - n / pp({fits_layers})).",
                 "",
                 table(lay_head, lay_rows),
                 "",
