@@ -93,7 +93,7 @@ def store(request, tmp_path_factory):
 @pytest.mark.parametrize("batch", ["split", "fused"])
 async def test_last_layer_computes_the_wanted_rows_only(store, batch, activations):
     case, path = store
-    opts = dict(io="threads", prefetch=False, batch=batch, activations=activations)
+    opts = dict(io="threads", batch=batch, activations=activations)  # prefetch on
     async with open_engine(path, **opts) as eng:
         assert eng.model.ffn_rows_exact(len(eng.spec.layers) - 1), case
         full = await _run(eng, skip=False)
