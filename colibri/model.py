@@ -839,6 +839,19 @@ class Model:
         ok = _rows_exact if exact else (lambda x: x.row_invariant)
         return plain and all(x is not None and ok(x) for x in [*lins, w["o"]])
 
+    def _mla_rows(self, i: int) -> bool:
+        """True when layer i is multi-head latent attention (no DSA indexer) with kv_b_proj
+        read in its block type (ops.mla_absorb_q / mla_values: row by row) and row-exact
+        projections (_rows_exact): its queries and output may run on some rows only."""
+        spec, w = self.spec.layers[i], self.layers[i]
+        a = spec.attention
+        if a.mla is None or a.indexer is not None or spec.linear_attn is not None:
+            return False
+        if a.shared_kv is not None or self.spec.hc is not None or "kv_b" not in w:
+            return False
+        lins = [w[k] for k in ("q", "q_a", "q_b", "kv_a", "o") if k in w]
+        return "attn_post_norm" not in w and all(_rows_exact(lin) for lin in lins)
+
     def attention_batch(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
     ) -> None:
@@ -887,7 +900,16 @@ class Model:
         kept rows only (each kernel computes a row alike whatever rows share its call; the
         attention's key blocks sit on absolute positions), the sequences' rows stacked as
         attention_batch stacks them; any other attention runs on every row, then the kept
-        rows are taken."""
+        rows are taken. Multi-head latent attention (_mla_rows) likewise writes every row's
+        latent cache entry and computes queries, attention and output of the kept rows."""
+        if self._mla_rows(i):  # latent cache of every row, the rest of the kept rows
+            w, res = self.layers[i], []
+            for x, kv, p, s in zip(xs, kvs, pos0, starts, strict=True):
+                h = np.empty_like(x)
+                ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+                out = self._attention_mla(i, h, kv, p, s)
+                res.append(x[s:] + w["o"](out.reshape(len(out), -1), nthreads=self.nthreads))
+            return res
         if not self._plain_gqa(i, exact=True):
             self.attention_batch(i, xs, kvs, pos0)
             return [x[s:] for x, s in zip(xs, starts, strict=True)]
@@ -1157,8 +1179,11 @@ class Model:
         core *= ops.silu(zz, zz)
         return core.reshape(n, g.value_dim)
 
-    def _attention_mla(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
-        """Multi-head latent attention of layer i on its normed input h f32 [n, d_model].
+    def _attention_mla(
+        self, i: int, h: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
+    ) -> np.ndarray:
+        """Multi-head latent attention of layer i on its normed input h f32 [n, d_model]; with
+        q_start, every row's cache entry but the queries and output of rows q_start.. only.
 
         Caches the compressed form (normed latent c [rank] and rotated rope key k_r [rope] per
         position, KVCache) and attends in the latent space with kv_b_proj absorbed (DeepSeek-V2
@@ -1167,20 +1192,24 @@ class Model:
         [c | k_r] (MQA; the entry is also the value), and W_UV_h (sum p c) is applied after the
         softmax. Per cached token that costs n_heads * 2 (rank + rope) multiply-adds instead of
         expanding it through kv_b_proj on every step. Same math as transformers'
-        expand-then-attend, summed in another order. Returns f32 [n, n_heads, v_head_dim].
+        expand-then-attend, summed in another order. Returns f32 [n - q_start, n_heads,
+        v_head_dim].
         """
         a, w = self.spec.layers[i].attention, self.layers[i]
-        m, n, H = a.mla, h.shape[0], a.n_heads
+        m, H = a.mla, a.n_heads
         eps = m.norm_eps
         r, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, a.rot_dim
+        hq = h[q_start:] if q_start else h
+        n = hq.shape[0]  # query rows
         if "q" in w:
-            q = w["q"](h, nthreads=self.nthreads)
+            q = w["q"](hq, nthreads=self.nthreads)
         else:
-            qa = w["q_a"](h, nthreads=self.nthreads)
+            qa = w["q_a"](hq, nthreads=self.nthreads)
             ops.rmsnorm(qa, qa, w["q_a_norm"], eps)
             q = w["q_b"](qa, nthreads=self.nthreads)
         q = q.reshape(n, H, nope + rope)
-        cache, q_rope = self._mla_cache(i, h, q, kv, pos0)
+        cache, q_rope = self._mla_cache(i, h, q, kv, pos0, q_start)
+        pos0 += q_start  # the queries' first position
         q_abs = np.empty((n, H, r + rope), dtype=np.float32)
         if "kv_b" in w:
             ops.mla_absorb_q(
@@ -1217,12 +1246,13 @@ class Model:
         )
 
     def _mla_cache(
-        self, i: int, h: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int
+        self, i: int, h: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """MLA's compressed entry of layer i for the normed input h f32 [n, d_model]: the
         normed latent c [rank] and the rotated rope key k_r [rope] of each position, written
         at pos0.. of the latent cache. Returns (that cache f32 [n_ctx, 1, rank + rope], the
-        query's rope part rotated, f32 [n, n_heads, rope], from q [n, n_heads, nope + rope])."""
+        query's rope part rotated, f32 [m, n_heads, rope], from q [m, n_heads, nope + rope]
+        of the last m = n - q_start positions)."""
         a, w = self.spec.layers[i].attention, self.layers[i]
         r, nope, rope, n = a.mla.kv_lora_rank, a.mla.qk_nope_head_dim, a.rot_dim, h.shape[0]
         ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
@@ -1231,8 +1261,8 @@ class Model:
         k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
         q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        for t in (q_rope, k_rope):
-            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        for t, p in ((q_rope, pos[q_start:]), (k_rope, pos)):
+            ops.rope(t, p, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
         cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
         cache[pos0 : pos0 + n, 0, :r] = latent
         cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
