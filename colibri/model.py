@@ -839,18 +839,22 @@ class Model:
         ok = _rows_exact if exact else (lambda x: x.row_invariant)
         return plain and all(x is not None and ok(x) for x in [*lins, w["o"]])
 
-    def _mla_rows(self, i: int) -> bool:
-        """True when layer i is multi-head latent attention (no DSA indexer) with kv_b_proj
-        read in its block type (ops.mla_absorb_q / mla_values: row by row) and row-exact
-        projections (_rows_exact): its queries and output may run on some rows only."""
+    def _rows_core(self, i: int) -> Any:
+        """The attention of layer i as f(i, h, kv, pos0, q_start) -> f32 [n - q_start, heads,
+        dv] (every row's cache entries, the queries and output of rows q_start.. only) when
+        it has one and its projections are row-exact (_rows_exact), else None: multi-head
+        latent attention (no DSA indexer) with kv_b_proj read in its block type
+        (ops.mla_absorb_q / mla_values, row by row), Gemma 4's attention."""
         spec, w = self.spec.layers[i], self.layers[i]
         a = spec.attention
-        if a.mla is None or a.indexer is not None or spec.linear_attn is not None:
-            return False
-        if a.shared_kv is not None or self.spec.hc is not None or "kv_b" not in w:
-            return False
-        lins = [w[k] for k in ("q", "q_a", "q_b", "kv_a", "o") if k in w]
-        return "attn_post_norm" not in w and all(_rows_exact(lin) for lin in lins)
+        if spec.linear_attn is not None or a.shared_kv is not None or self.spec.hc is not None:
+            return None
+        lins = [w[k] for k in ("q", "q_a", "q_b", "kv_a", "k", "v", "o") if k in w]
+        if not all(_rows_exact(lin) for lin in lins):
+            return None
+        if a.mla is not None and a.indexer is None and "kv_b" in w:
+            return self._attention_mla if "attn_post_norm" not in w else None
+        return self._attention_gemma if a.v_norm and a.mla is None else None
 
     def attention_batch(
         self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
@@ -900,15 +904,20 @@ class Model:
         kept rows only (each kernel computes a row alike whatever rows share its call; the
         attention's key blocks sit on absolute positions), the sequences' rows stacked as
         attention_batch stacks them; any other attention runs on every row, then the kept
-        rows are taken. Multi-head latent attention (_mla_rows) likewise writes every row's
-        latent cache entry and computes queries, attention and output of the kept rows."""
-        if self._mla_rows(i):  # latent cache of every row, the rest of the kept rows
+        rows are taken. Multi-head latent attention and Gemma 4's (_rows_core) likewise write
+        every row's cache entries and compute queries, attention and output of the kept
+        rows (a Gemma 4 layer reading another's keys: nothing for the other rows)."""
+        core = self._rows_core(i)
+        if core is not None:  # keys / latents of every row, the rest of the kept rows
             w, res = self.layers[i], []
             for x, kv, p, s in zip(xs, kvs, pos0, starts, strict=True):
                 h = np.empty_like(x)
                 ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
-                out = self._attention_mla(i, h, kv, p, s)
-                res.append(x[s:] + w["o"](out.reshape(len(out), -1), nthreads=self.nthreads))
+                out = core(i, h, kv, p, s)
+                y = w["o"](out.reshape(len(out), -1), nthreads=self.nthreads)
+                if "attn_post_norm" in w:  # Gemma: normed before the residual
+                    ops.rmsnorm(y, y, w["attn_post_norm"], self.spec.norm_eps)
+                res.append(x[s:] + y)
             return res
         if not self._plain_gqa(i, exact=True):
             self.attention_batch(i, xs, kvs, pos0)
@@ -1043,7 +1052,9 @@ class Model:
             out *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
         return out
 
-    def _attention_gemma(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+    def _attention_gemma(
+        self, i: int, h: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
+    ) -> np.ndarray:
         """Gemma 4 attention of layer i on its normed input h f32 [n, d_model]
         (Gemma4TextAttention): per-head RMSNorm of q and k (weights) and of v (none), RoPE on
         q and k, softmax scale `a.scale`, the layer's sliding window. With k_eq_v the values
@@ -1051,13 +1062,16 @@ class Model:
         queries and attends to that layer's cache (already holding these positions). Writes
         its own keys/values of positions pos0.. into kv: into its rings on kv.ring_layers
         (ring_window; one token is written in place and attends to the ring as it is, whose
-        rows are then exactly its window's). Returns f32 [n, n_heads, head_dim]."""
+        rows are then exactly its window's). With q_start, the queries and output of rows
+        q_start.. only. Returns f32 [n - q_start, n_heads, head_dim]."""
         a, w, n = self.spec.layers[i].attention, self.layers[i], h.shape[0]
-        eps, hd = self.spec.norm_eps, a.head_dim
+        eps, hd, m = self.spec.norm_eps, a.head_dim, n - q_start
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        q = w["q"](h, nthreads=self.nthreads).reshape(n, a.n_heads, hd)
+        q = w["q"](h[q_start:] if q_start else h, nthreads=self.nthreads)
+        q = q.reshape(m, a.n_heads, hd)
         ops.rmsnorm(q, q, w["q_norm"], eps)
-        ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        qpos = pos[q_start:]
+        ops.rope(q, qpos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
         src = i if a.kv_shared_from is None else a.kv_shared_from
         keys, values, base = kv.k[src], kv.v[src], 0
         if a.kv_shared_from is None:
@@ -1087,10 +1101,10 @@ class Model:
                 raise ValueError(f"layer {i}: layer {src}'s window rows are of another chunk")
             if self._ring_sharers[src] == i:
                 del kv.window_rows[src]
-        out = np.empty((n, a.n_heads, hd), dtype=np.float32)
+        out = np.empty((m, a.n_heads, hd), dtype=np.float32)
         ops.attention(
-            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 - base, scale=a.scale,
-            window=a.window, nthreads=self.nthreads,
+            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 + q_start - base,
+            scale=a.scale, window=a.window, nthreads=self.nthreads,
         )  # fmt: skip
         return out
 
