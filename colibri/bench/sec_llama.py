@@ -160,12 +160,16 @@ def prefill_breakdown(
     name: str,
     expert_macs_per_token: int = 0,
     peer_names: dict[Any, str] | None = None,
+    moe_layers: int = 0,
 ) -> list[str]:
     """Markdown lines saying where colibri's prefill time goes (the last run's PartTimer
     split, `name`'s runs) at each size where it is slower than the peer's tok/s (peer:
     {size: tok/s}, named by peer_names[size], default "llama.cpp"; every size when the peer
     did not run). expert_macs_per_token: the routed experts' multiply-adds per token (all
-    layers, top-k), to state their GMAC/s (0: not)."""
+    layers, top-k), to state their GMAC/s (0: not). moe_layers: the MoE layers they are
+    summed over, the last of which runs the last token only (Pipeline.skip_unused_rows):
+    n tokens then take (moe_layers - 1) n + 1 rows' worth, and a single MoE layer (one
+    token's matvec) gets no rate; 0: every layer runs every token."""
     r = runs[-1] if runs else {}
     out = []
     for n in sizes:
@@ -177,8 +181,11 @@ def prefill_breakdown(
         versus = (f"; {who} takes {n / peer[n] * 1e3:.0f} ms "
                   f"({x['tok_s'] / peer[n]:.2f}×)" if peer.get(n) else "")  # fmt: skip
         rate = ""
-        if expert_macs_per_token and x["breakdown_s"].get("routed experts"):
-            gmacs = expert_macs_per_token * n / x["breakdown_s"]["routed experts"] / 1e9
+        macs = expert_macs_per_token * n
+        if moe_layers:
+            macs = expert_macs_per_token // moe_layers * ((moe_layers - 1) * n + 1)
+        if macs and moe_layers != 1 and x["breakdown_s"].get("routed experts"):
+            gmacs = macs / x["breakdown_s"]["routed experts"] / 1e9
             rate = f" The routed experts ran at {gmacs:.0f} GMAC/s (wall)."
         split = breakdown_line(x["breakdown_s"], n)
         out.append(f"Where colibri's {n}-token prefill time goes ({name}, last round, "
@@ -498,6 +505,7 @@ def store_figures(store_path: Path) -> dict[str, Any]:
     moe_layers = len({rec.layer for rec in st.records})
     return {
         "layers": cfg["num_hidden_layers"],
+        "moe_layers": moe_layers,
         # routed experts' multiply-adds per token: gate, up and down of top_k experts per layer
         "expert_macs_per_token": moe_layers
         * cfg["num_experts_per_tok"]
@@ -788,7 +796,7 @@ def run(ctx: Context) -> Section:
             md.append(decode_breakdown(r["decode_breakdown_s"], sf, mem_gbps, best_tg) + "\n")
         md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
                                 vname[variants[0]], sf["expert_macs_per_token"],
-                                peer_names)  # fmt: skip
+                                peer_names, sf["moe_layers"])  # fmt: skip
     data["fits"] = fits
     panels: list[dict[str, Any]] = []
     if fits.get("medians"):
