@@ -1,10 +1,11 @@
 """The last layer runs only the rows whose logits are wanted (Pipeline._kept_rows,
 Model.attention_rows), as llama.cpp's inp_out_ids: every row's keys, values and state, but the
 attention output, the FFN (and so the routed experts' reads) and the head of the kept rows
-only. Every family's every test case (Family.test_configs), Q8_0 storage (row-invariant
-kernels): the logits, the log-probabilities of scored targets and every array of the KV cache
-are the bits of a forward that computes every row, in split and fused batches; the last MoE
-layer routes and requests the experts of the kept rows only."""
+only. Every family's every test case (Family.test_configs), Q8_0 storage with Q8_0 and f32
+activations (row-invariant kernels): the logits, the log-probabilities of scored targets and
+every array of the KV cache are the bits of a forward that computes every row, in split and
+fused batches; the last MoE layer routes and requests the experts of the kept rows only, a
+dense last layer runs its MLP on them only."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _state(kv: KVCache) -> list[np.ndarray]:
     return [a.copy() for a in arrays if a is not None]
 
 
-async def _run(eng, skip: bool) -> tuple[list, list, list, dict, dict]:
+async def _run(eng, skip: bool) -> tuple[list, list, list, list, list]:
     """Feed a fixed script of forwards (a prefill for the last logits, a chunk with logits
     from row 6, a chunk with none, decode steps, a batch of three sequences with logits, no
     logits and scored targets); returns (outputs, KV states, rows routed at the last layer
@@ -115,3 +116,34 @@ async def test_last_layer_computes_the_wanted_rows_only(store, batch, activation
     # the cache is asked for the experts of the routed rows only: fewer records
     assert kept[3] == kept[4] and full[3] == full[4], case
     assert sum(map(len, kept[3])) < sum(map(len, full[3])), case
+
+
+@pytest.mark.parametrize("batch", ["split", "fused"])
+async def test_a_dense_last_layer_runs_its_mlp_on_the_kept_rows(tmp_path, monkeypatch, batch):
+    """Llama 4 with MoE every other layer, 3 layers: the last is a dense MLP layer."""
+    from colibri import model as model_mod
+
+    model = hf_models.build("llama4_text_interleaved_top2", seed=3, num_hidden_layers=3)
+    src = hf_models.save(model, tmp_path / "hf")
+    convert(src, tmp_path / "q8", quant="q8_0", dense_quant="q8_0")
+    rows: list[int] = []
+    dense_ffn = model_mod.Model.dense_ffn
+
+    def spy(self, i, h, out, x=None):
+        if i == len(self.spec.layers) - 1:
+            rows.append(len(h))
+        return dense_ffn(self, i, h, out, x)
+
+    monkeypatch.setattr(model_mod.Model, "dense_ffn", spy)
+    async with open_engine(tmp_path / "q8", io="threads", batch=batch) as eng:
+        assert [layer.moe for layer in eng.spec.layers] == [False, True, False]
+        full = await _run(eng, skip=False)
+        n_full, rows[:] = list(rows), []
+        kept = await _run(eng, skip=True)
+    for x, y in zip(full[0], kept[0], strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+    for s_full, s_kept in zip(full[1], kept[1], strict=True):
+        for x, y in zip(s_full, s_kept, strict=True):
+            np.testing.assert_array_equal(x, y)
+    # per forward (split: per sequence where stacking is off, else the batch's rows at once)
+    assert sum(n_full) == 24 + 10 + 10 + 3 + 64 + 5 and sum(rows) == 1 + 4 + 1 + 3 + 30 + 3
