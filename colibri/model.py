@@ -40,6 +40,13 @@ def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
 # rows of several sequences without changing any sequence's result (FP8 and MXFP4 too, since
 # their matvec and batch paths compute alike).
 ROW_INVARIANT_QTYPES = ops.Q8_ACT_TYPES
+# Weight types whose f32-activation matmul (ops.matmul) computes every row the same bits
+# whatever the number of rows in the call: x rows tiled by 4, 2 and 1 in one accumulation
+# order (tests/test_batch_invariance.py, tests/test_batching.py). The f32 routers and the
+# hyper-connection maps run there.
+F32_ROW_INVARIANT_QTYPES = frozenset(
+    (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
+)
 
 # MLA kv_b_proj storage types read as stored (ops.mla_absorb_q / mla_values); others are
 # dequantized to f32 at load (f32 itself: the f32 arrays are the stored values, same output).
@@ -103,6 +110,12 @@ class Linear:
         if self.bias is not None:
             out += self.bias
         return out
+
+
+def _rows_exact(lin: Linear) -> bool:
+    """True when lin(x) computes each row of x the same bits whatever rows share the call:
+    Linear.row_invariant, or the f32-activation matmul on F32_ROW_INVARIANT_QTYPES."""
+    return lin.row_invariant or (not lin.act_q8 and lin.qtype in F32_ROW_INVARIANT_QTYPES)
 
 
 def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
@@ -631,6 +644,15 @@ class Model:
             }
             if (qkv := _fuse((w["q"], w["k"], w["v"]))) is not None:
                 w["qkv"] = qkv
+                # k and v as one Linear (their rows of qkv, a view): the keys and values of
+                # rows whose queries are not needed (Model.attention_rows)
+                nq = w["q"].rows
+                kv = Linear(
+                    qkv.w[nq:], qkv.qtype, qkv.rows - nq, qkv.cols,
+                    None if qkv.bias is None else qkv.bias[nq:], qkv.act_q8, qkv.act_q8k,
+                )  # fmt: skip
+                kv.pad = qkv.pad
+                w["kv_rows"] = kv
         if a.qk_norm == "head":
             w["q_norm"] = self._vector(f"{n['q_norm']}.weight", a.head_dim)
             if "k_norm" in n:  # absent on layers sharing another's keys (kv_shared_from)
@@ -725,7 +747,7 @@ class Model:
         total = self.embed_w.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
         for w in self.layers:
             for key, v in w.items():
-                if key == "qkv":  # q, k and v are views into it
+                if key in ("qkv", "kv_rows"):  # views of q, k and v's weights
                     continue
                 items = v if isinstance(v, tuple) else (v,)
                 total += sum(i.nbytes for i in items)
@@ -796,15 +818,15 @@ class Model:
             ops.rmsnorm(y, y, w["attn_post_norm"], self.spec.norm_eps)
         x += y
 
-    def attention_batch(
-        self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
-    ) -> None:
-        """attention(i, xs[s], kvs[s], pos0[s]) for every sequence s, with the same bits: when
-        layer i is grouped-query attention whose q/k/v/o kernels are row-invariant
-        (Linear.row_invariant), the sequences' rows are stacked for the projections (one
-        weight pass for the batch) and only the attention proper runs per sequence."""
+    def _plain_gqa(self, i: int, exact: bool = False) -> bool:
+        """True when layer i is grouped-query attention (no linear attention, MLA, DSA,
+        DeepSeek-V4 or Gemma 4 attention, no hyper-connections) whose projections are
+        row-invariant (Linear.row_invariant; with `exact` also the f32-activation matmuls
+        of _rows_exact): its rows may be stacked (or, exact, left out)."""
         w, a = self.layers[i], self.spec.layers[i].attention
         lins = [w["qkv"]] if "qkv" in w else [w.get("q"), w.get("k"), w.get("v")]
+        if exact:
+            lins = [w.get("q"), w.get("kv_rows", w.get("k")), w.get("v")]
         plain = (
             self.spec.layers[i].linear_attn is None
             and a.indexer is None
@@ -814,10 +836,38 @@ class Model:
             and not a.v_norm  # Gemma 4: its own attention, output normed before the residual
             and "attn_post_norm" not in w
         )
-        if len(xs) < 2 or not plain or not all(x.row_invariant for x in [*lins, w["o"]]):
+        ok = _rows_exact if exact else (lambda x: x.row_invariant)
+        return plain and all(x is not None and ok(x) for x in [*lins, w["o"]])
+
+    def _rows_core(self, i: int) -> Any:
+        """The attention of layer i as f(i, h, kv, pos0, q_start) -> f32 [n - q_start, heads,
+        dv] (every row's cache entries, the queries and output of rows q_start.. only) when
+        it has one and its projections are row-exact (_rows_exact), else None: multi-head
+        latent attention (no DSA indexer) with kv_b_proj read in its block type
+        (ops.mla_absorb_q / mla_values, row by row), Gemma 4's attention."""
+        spec, w = self.spec.layers[i], self.layers[i]
+        a = spec.attention
+        if spec.linear_attn is not None or a.shared_kv is not None or self.spec.hc is not None:
+            return None
+        lins = [w[k] for k in ("q", "q_a", "q_b", "kv_a", "k", "v", "o") if k in w]
+        if not all(_rows_exact(lin) for lin in lins):
+            return None
+        if a.mla is not None and a.indexer is None and "kv_b" in w:
+            return self._attention_mla if "attn_post_norm" not in w else None
+        return self._attention_gemma if a.v_norm and a.mla is None else None
+
+    def attention_batch(
+        self, i: int, xs: list[np.ndarray], kvs: list[KVCache], pos0: list[int]
+    ) -> None:
+        """attention(i, xs[s], kvs[s], pos0[s]) for every sequence s, with the same bits: when
+        layer i is grouped-query attention whose q/k/v/o kernels are row-invariant
+        (Linear.row_invariant), the sequences' rows are stacked for the projections (one
+        weight pass for the batch) and only the attention proper runs per sequence."""
+        if len(xs) < 2 or not self._plain_gqa(i):
             for x, kv, p in zip(xs, kvs, pos0, strict=True):
                 self.attention(i, x, kv, p)
             return
+        w = self.layers[i]
         x = np.concatenate(xs)
         h = np.empty_like(x)
         ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
@@ -832,6 +882,81 @@ class Model:
         for xi in xs:
             xi += y[r : r + xi.shape[0]]
             r += xi.shape[0]
+
+    def attention_rows(
+        self,
+        i: int,
+        xs: list[np.ndarray],
+        kvs: list[KVCache],
+        pos0: list[int],
+        starts: list[int],
+    ) -> list[np.ndarray]:
+        """Layer i's attention for sequences whose later computation needs only their rows
+        from starts[s] on (the last layer of a forward: the rows whose logits are wanted).
+        Every row's keys and values (and any state later tokens read: recurrent and conv
+        state, compressor windows, indexer keys, shared caches) are written as
+        attention_batch(i, xs, kvs, pos0) writes them; returns per sequence its rows
+        x_s[starts[s]:] after the attention's residual, f32 [n_s - starts[s], ...] (views of
+        xs or new arrays), the bits attention_batch gives them.
+
+        Grouped-query attention with row-invariant projections (_plain_gqa, exact) projects
+        keys and values of every row but queries, attention and the output projection of the
+        kept rows only (each kernel computes a row alike whatever rows share its call; the
+        attention's key blocks sit on absolute positions), the sequences' rows stacked as
+        attention_batch stacks them; any other attention runs on every row, then the kept
+        rows are taken. Multi-head latent attention and Gemma 4's (_rows_core) likewise write
+        every row's cache entries and compute queries, attention and output of the kept
+        rows (a Gemma 4 layer reading another's keys: nothing for the other rows)."""
+        core = self._rows_core(i)
+        if core is not None:  # keys / latents of every row, the rest of the kept rows
+            w, res = self.layers[i], []
+            for x, kv, p, s in zip(xs, kvs, pos0, starts, strict=True):
+                h = np.empty_like(x)
+                ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+                out = core(i, h, kv, p, s)
+                y = w["o"](out.reshape(len(out), -1), nthreads=self.nthreads)
+                if "attn_post_norm" in w:  # Gemma: normed before the residual
+                    ops.rmsnorm(y, y, w["attn_post_norm"], self.spec.norm_eps)
+                res.append(x[s:] + y)
+            return res
+        if not self._plain_gqa(i, exact=True):
+            self.attention_batch(i, xs, kvs, pos0)
+            return [x[s:] for x, s in zip(xs, starts, strict=True)]
+        if len(xs) > 1 and not self._plain_gqa(i):  # f32 activations: calls per sequence
+            return [
+                self.attention_rows(i, [x], [kv], [p], [s])[0]
+                for x, kv, p, s in zip(xs, kvs, pos0, starts, strict=True)
+            ]
+        w, t = self.layers[i], self.nthreads
+        x = np.concatenate(xs) if len(xs) > 1 else xs[0]
+        h = np.empty_like(x)
+        ops.rmsnorm(h, x, w["input_norm"], self.spec.norm_eps)
+        offs = np.cumsum([0] + [len(xi) for xi in xs])
+        keep = np.concatenate(
+            [np.arange(o + s, o + len(xi)) for o, s, xi in zip(offs, starts, xs, strict=False)]
+        )
+        hq = h[keep] if len(keep) < len(h) else h
+        q = w["q"](hq, nthreads=t)
+        if "kv_rows" in w:  # one quantization of h and one kernel call for k and v
+            kv_all = w["kv_rows"](h, nthreads=t)
+            nk = w["k"].rows
+            k, v = kv_all[:, :nk], kv_all[:, nk:]
+            if len(h) > 1:  # column slices of a batch are strided; the kernels want rows
+                k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        else:
+            k, v = w["k"](h, nthreads=t), w["v"](h, nthreads=t)
+        outs, r = [], 0
+        for xi, kv, p, o, s in zip(xs, kvs, pos0, offs, starts, strict=False):
+            n, m = len(xi), len(xi) - s
+            outs.append(self._gqa_core(i, q[r : r + m], k[o : o + n], v[o : o + n], kv, p, s))
+            r += m
+        y = w["o"](np.concatenate(outs).reshape(len(keep), -1), nthreads=t)
+        res, r = [], 0
+        for xi, s in zip(xs, starts, strict=True):
+            m = len(xi) - s
+            res.append(xi[s:] + y[r : r + m])
+            r += m
+        return res
 
     def _gqa_project(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q, k, v (f32 [n, rows], C-contiguous) of layer i's GQA on its normed input h."""
@@ -855,17 +980,27 @@ class Model:
         return self._gqa_core(i, *self._gqa_project(i, h), kv, pos0)
 
     def _gqa_core(
-        self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVCache, pos0: int
+        self,
+        i: int,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        kv: KVCache,
+        pos0: int,
+        q_start: int = 0,
     ) -> np.ndarray:
-        """GQA of layer i after the projections: q f32 [n, q rows], k, v f32 [n, kv rows]
+        """GQA of layer i after the projections: k, v f32 [n, kv rows] of positions pos0 ..
+        pos0 + n - 1 (written into kv), q f32 [m, q rows] of the last m = n - q_start of them
         (C-contiguous; q/k are normed and rotated in place). Returns f32
-        [n, n_heads, v_head_dim]."""
+        [m, n_heads, v_head_dim]."""
         spec, w = self.spec.layers[i], self.layers[i]
-        a, n = spec.attention, q.shape[0]
+        a, n, m = spec.attention, k.shape[0], q.shape[0]
+        if m != n - q_start:
+            raise ValueError(f"{m} query rows for {n} keys from row {q_start}")
         gate = None
         if a.output_gate:  # per head [query | output gate] (AttentionSpec.output_gate)
-            qg = q.reshape(n, a.n_heads, 2 * a.head_dim)
-            q = np.ascontiguousarray(qg[:, :, : a.head_dim]).reshape(n, -1)
+            qg = q.reshape(m, a.n_heads, 2 * a.head_dim)
+            q = np.ascontiguousarray(qg[:, :, : a.head_dim]).reshape(m, -1)
             gate = qg[:, :, a.head_dim :]
         if a.qk_norm == "full":
             ops.rmsnorm(q, q, w["q_norm"], self.spec.norm_eps)
@@ -873,7 +1008,7 @@ class Model:
         if a.clip_qkv is not None:  # after the q/k norm, as OlmoeAttention clamps
             for t in (q, k, v):
                 np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
-        q = q.reshape(n, a.n_heads, a.head_dim)
+        q = q.reshape(m, a.n_heads, a.head_dim)
         k = k.reshape(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm == "head":
             ops.rmsnorm(
@@ -889,16 +1024,17 @@ class Model:
                 self.spec.norm_eps,
             )
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        qpos = pos[q_start:]
         if a.rot_dim > 0:  # rot_dim 0: a no-RoPE layer (Llama 4 no_rope_layers)
-            ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+            ops.rope(q, qpos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
             ops.rope(k, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
         if a.qk_norm == "l2" or a.floor_scale > 0:
-            self._llama4_qk(a, q, k, pos)
+            self._llama4_qk(a, q, k, qpos)
         kv.k[i][pos0 : pos0 + n] = k
         kv.v[i][pos0 : pos0 + n] = v.reshape(n, a.n_kv_heads, a.v_head_dim)
-        out = np.empty((n, a.n_heads, a.v_head_dim), dtype=np.float32)
+        out = np.empty((m, a.n_heads, a.v_head_dim), dtype=np.float32)
         if a.attention_chunk_size > 0:
-            self._chunked_attention(i, out, q, kv, pos0)
+            self._chunked_attention(i, out, q, kv, pos0 + q_start)
         else:
             ops.attention(
                 out,
@@ -906,7 +1042,7 @@ class Model:
                 kv.k[i],
                 kv.v[i],
                 n_kv=pos0 + n,
-                q_pos0=pos0,
+                q_pos0=pos0 + q_start,
                 scale=a.scale,
                 window=a.window,
                 sinks=w.get("sinks"),
@@ -916,7 +1052,9 @@ class Model:
             out *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
         return out
 
-    def _attention_gemma(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+    def _attention_gemma(
+        self, i: int, h: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
+    ) -> np.ndarray:
         """Gemma 4 attention of layer i on its normed input h f32 [n, d_model]
         (Gemma4TextAttention): per-head RMSNorm of q and k (weights) and of v (none), RoPE on
         q and k, softmax scale `a.scale`, the layer's sliding window. With k_eq_v the values
@@ -924,13 +1062,16 @@ class Model:
         queries and attends to that layer's cache (already holding these positions). Writes
         its own keys/values of positions pos0.. into kv: into its rings on kv.ring_layers
         (ring_window; one token is written in place and attends to the ring as it is, whose
-        rows are then exactly its window's). Returns f32 [n, n_heads, head_dim]."""
+        rows are then exactly its window's). With q_start, the queries and output of rows
+        q_start.. only. Returns f32 [n - q_start, n_heads, head_dim]."""
         a, w, n = self.spec.layers[i].attention, self.layers[i], h.shape[0]
-        eps, hd = self.spec.norm_eps, a.head_dim
+        eps, hd, m = self.spec.norm_eps, a.head_dim, n - q_start
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        q = w["q"](h, nthreads=self.nthreads).reshape(n, a.n_heads, hd)
+        q = w["q"](h[q_start:] if q_start else h, nthreads=self.nthreads)
+        q = q.reshape(m, a.n_heads, hd)
         ops.rmsnorm(q, q, w["q_norm"], eps)
-        ops.rope(q, pos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
+        qpos = pos[q_start:]
+        ops.rope(q, qpos, a.inv_freq, rot_dim=a.rot_dim, mscale=a.mscale, mode=a.rope_mode)
         src = i if a.kv_shared_from is None else a.kv_shared_from
         keys, values, base = kv.k[src], kv.v[src], 0
         if a.kv_shared_from is None:
@@ -960,18 +1101,19 @@ class Model:
                 raise ValueError(f"layer {i}: layer {src}'s window rows are of another chunk")
             if self._ring_sharers[src] == i:
                 del kv.window_rows[src]
-        out = np.empty((n, a.n_heads, hd), dtype=np.float32)
+        out = np.empty((m, a.n_heads, hd), dtype=np.float32)
         ops.attention(
-            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 - base, scale=a.scale,
-            window=a.window, nthreads=self.nthreads,
+            out, q, keys, values, n_kv=pos0 + n - base, q_pos0=pos0 + q_start - base,
+            scale=a.scale, window=a.window, nthreads=self.nthreads,
         )  # fmt: skip
         return out
 
     def _llama4_qk(self, a: AttentionSpec, q: np.ndarray, k: np.ndarray, pos: np.ndarray) -> None:
-        """Llama4TextAttention after RoPE, in place on q f32 [n, H, d] and k [n, KV, d]: the
+        """Llama4TextAttention after RoPE, in place on q f32 [m, H, d] and k [n, KV, d]: the
         weightless per-head RMSNorm (Llama4TextL2Norm, eps rms_norm_eps) when qk_norm is "l2",
         and attention temperature tuning when floor_scale > 0: q times
-        1 + attn_scale * log1p(floor((pos + 1) / floor_scale)), in f32 as the reference."""
+        1 + attn_scale * log1p(floor((pos + 1) / floor_scale)), in f32 as the reference, pos
+        int32 [m] the queries' positions."""
         if a.qk_norm == "l2":
             ones = np.ones(a.head_dim, dtype=np.float32)
             for t in (q, k):
@@ -1051,8 +1193,11 @@ class Model:
         core *= ops.silu(zz, zz)
         return core.reshape(n, g.value_dim)
 
-    def _attention_mla(self, i: int, h: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
-        """Multi-head latent attention of layer i on its normed input h f32 [n, d_model].
+    def _attention_mla(
+        self, i: int, h: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
+    ) -> np.ndarray:
+        """Multi-head latent attention of layer i on its normed input h f32 [n, d_model]; with
+        q_start, every row's cache entry but the queries and output of rows q_start.. only.
 
         Caches the compressed form (normed latent c [rank] and rotated rope key k_r [rope] per
         position, KVCache) and attends in the latent space with kv_b_proj absorbed (DeepSeek-V2
@@ -1061,20 +1206,24 @@ class Model:
         [c | k_r] (MQA; the entry is also the value), and W_UV_h (sum p c) is applied after the
         softmax. Per cached token that costs n_heads * 2 (rank + rope) multiply-adds instead of
         expanding it through kv_b_proj on every step. Same math as transformers'
-        expand-then-attend, summed in another order. Returns f32 [n, n_heads, v_head_dim].
+        expand-then-attend, summed in another order. Returns f32 [n - q_start, n_heads,
+        v_head_dim].
         """
         a, w = self.spec.layers[i].attention, self.layers[i]
-        m, n, H = a.mla, h.shape[0], a.n_heads
+        m, H = a.mla, a.n_heads
         eps = m.norm_eps
         r, nope, rope = m.kv_lora_rank, m.qk_nope_head_dim, a.rot_dim
+        hq = h[q_start:] if q_start else h
+        n = hq.shape[0]  # query rows
         if "q" in w:
-            q = w["q"](h, nthreads=self.nthreads)
+            q = w["q"](hq, nthreads=self.nthreads)
         else:
-            qa = w["q_a"](h, nthreads=self.nthreads)
+            qa = w["q_a"](hq, nthreads=self.nthreads)
             ops.rmsnorm(qa, qa, w["q_a_norm"], eps)
             q = w["q_b"](qa, nthreads=self.nthreads)
         q = q.reshape(n, H, nope + rope)
-        cache, q_rope = self._mla_cache(i, h, q, kv, pos0)
+        cache, q_rope = self._mla_cache(i, h, q, kv, pos0, q_start)
+        pos0 += q_start  # the queries' first position
         q_abs = np.empty((n, H, r + rope), dtype=np.float32)
         if "kv_b" in w:
             ops.mla_absorb_q(
@@ -1111,12 +1260,13 @@ class Model:
         )
 
     def _mla_cache(
-        self, i: int, h: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int
+        self, i: int, h: np.ndarray, q: np.ndarray, kv: KVCache, pos0: int, q_start: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """MLA's compressed entry of layer i for the normed input h f32 [n, d_model]: the
         normed latent c [rank] and the rotated rope key k_r [rope] of each position, written
         at pos0.. of the latent cache. Returns (that cache f32 [n_ctx, 1, rank + rope], the
-        query's rope part rotated, f32 [n, n_heads, rope], from q [n, n_heads, nope + rope])."""
+        query's rope part rotated, f32 [m, n_heads, rope], from q [m, n_heads, nope + rope]
+        of the last m = n - q_start positions)."""
         a, w = self.spec.layers[i].attention, self.layers[i]
         r, nope, rope, n = a.mla.kv_lora_rank, a.mla.qk_nope_head_dim, a.rot_dim, h.shape[0]
         ckv = w["kv_a"](h, nthreads=self.nthreads)  # [n, rank + rope]
@@ -1125,8 +1275,8 @@ class Model:
         k_rope = np.ascontiguousarray(ckv[:, None, r:])  # [n, 1, rope]
         q_rope = np.ascontiguousarray(q[:, :, nope:])  # [n, H, rope]
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        for t in (q_rope, k_rope):
-            ops.rope(t, pos, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
+        for t, p in ((q_rope, pos[q_start:]), (k_rope, pos)):
+            ops.rope(t, p, a.inv_freq, rot_dim=rope, mscale=a.mscale, mode=a.rope_mode)
         cache = kv.k[i]  # [n_ctx, 1, rank + rope], == kv.v[i]
         cache[pos0 : pos0 + n, 0, :r] = latent
         cache[pos0 : pos0 + n, 0, r:] = k_rope[:, 0]
@@ -1365,6 +1515,37 @@ class Model:
             lins.append(w["shared_expert_gate"])
         return all(lin.row_invariant for lin in lins)
 
+    def ffn_rows_exact(self, i: int) -> bool:
+        """True when every kernel of layer i after its attention computes a row the same bits
+        whatever rows share the call: the hyper-connection mix (f32 maps), the router, the
+        routed experts (expert_row_invariant), the shared expert / dense MLP and its gate,
+        Gemma 4's per-layer input. A forward may then run that part on the rows it needs only
+        (Pipeline: the last layer, for the rows whose logits are wanted) with the bits the
+        full computation gives them; the norms and the rest are row-wise."""
+        w = self.layers[i]
+        lins = [w[k] for k in ("router", "shared_expert_gate", "ple_gate", "ple_proj",
+                               "hc_ffn_fn") if k in w]  # fmt: skip
+        mlp = True
+        for kind in ("mlp", "shared"):  # ops.expert_ffn(_q8k), as dense_ffn calls it
+            if kind in w:
+                qts = [lin.qtype for lin in w[kind]]
+                q8 = w[kind][0].act_q8 and len(set(qts)) == 1  # else its f32 path
+                mlp = mlp and (all(x.act_q8k for x in w[kind]) or self._ffn_exact(qts, q8))
+        moe = True
+        if self.spec.layers[i].moe:
+            _, qts, act_q8 = self._experts.get(i, self._experts[None])
+            moe = self._ffn_exact(qts, act_q8)
+        return mlp and moe and all(_rows_exact(lin) for lin in lins)
+
+    def _ffn_exact(self, qtypes: Any, act_q8: bool) -> bool:
+        """True when ops.expert_ffn on weights of `qtypes` computes a row alike in any call:
+        Q8_0 / Q8_K activations on ROW_INVARIANT_QTYPES, f32 activations (the rows kernels
+        of ops.matmul) on F32_ROW_INVARIANT_QTYPES, or padded calls (pad 4)."""
+        if self.pad % 4 == 0:
+            return True
+        allowed = ROW_INVARIANT_QTYPES if act_q8 else F32_ROW_INVARIANT_QTYPES
+        return all(q in allowed for q in qtypes)
+
     def expert_row_invariant(self, layer: int | None) -> bool:
         """True when expert_ffn(..., layer=layer) computes each row the same bits whatever
         rows share the call: Q8_0 activations on ROW_INVARIANT_QTYPES, or pad 4."""
@@ -1576,6 +1757,8 @@ class Model:
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: f32 [n, d_model] -> f32 [n, vocab_size] (with
         hyper-connections x is the streams f32 [n, hc_mult, d_model], collapsed first)."""
+        if not len(x):  # no row wanted (a prompt chunk before the last one)
+            return np.empty((0, self.spec.vocab_size), dtype=np.float32)
         if self.hc_head is not None:
             fn, base, scale = self.hc_head
             x = dsv4.hc_head(

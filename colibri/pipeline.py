@@ -77,6 +77,9 @@ class _Step:
     # Gemma 4's per-layer inputs f32 [n_s, num_layers, P] per sequence (one entry over the
     # stacked rows for fused batches), or () when the model has none
     ples: list[np.ndarray | None] | tuple = ()
+    # per sequence the first row the last layer computes past its keys and values (the rows
+    # whose logits are wanted: Pipeline._kept_rows), or None: every row
+    starts: list[int] | None = None
 
 
 @dataclass
@@ -148,6 +151,13 @@ class Pipeline:
         # predicted (next MoE layer, [expert ids]) or None; returns per entry of routed the
         # f32 [n, top_k, d_model] weighted outputs, slot [t, j] from expert ids[t, j]
         self.experts: Any = None
+        # the last layer computes its attention output, FFN and residual only for the rows
+        # whose logits are wanted (keys, values and recurrent state for every row), as
+        # llama.cpp's inp_out_ids; where its kernels are row-invariant (Model.ffn_rows_exact),
+        # so the logits are the same bits. False: every row (tests compare the two)
+        self.skip_unused_rows = True
+        self._last = len(model.spec.layers) - 1
+        self._last_exact: bool | None = None  # Model.ffn_rows_exact(self._last), once known
 
     def close(self) -> None:
         if self._own_executor:
@@ -208,9 +218,11 @@ class Pipeline:
         targets[s] is also given (int [n_s - logits_from[s]]) instead the log-probabilities
         float64 [n_s - logits_from[s]] of targets[s][t] under row t: the head runs on
         blocks of rows (_target_logprobs), so the [rows, vocab] logits of a long span are
-        never held at once. Raises ValueError when a sequence's tokens do not fit in its
-        context. Cancelling stops between expert loads and releases every record it holds (the
-        KV caches are then partly written).
+        never held at once. The last layer computes every row's keys and values but its
+        output only for the rows returned (all_logits with logits_from = n_s: none, an empty
+        [0, vocab_size] array; _kept_rows). Raises ValueError when a sequence's tokens do not
+        fit in its context. Cancelling stops between expert loads and releases every record
+        it holds (the KV caches are then partly written).
         """
         pos0 = []
         for tokens, kv in batch:
@@ -227,9 +239,13 @@ class Pipeline:
         tgts = list(targets) + [None] * (len(batch) - len(targets))
         step = _Step([kv for _, kv in batch], pos0, want, first, tgts)
         step.tokens = [np.asarray(t, dtype=np.int64) for t, _ in batch]
+        step.starts = self._kept_rows(step)
         if self.prefetcher is not None and self.prefetcher.enabled and self._hash_layers:
             every = np.concatenate(step.tokens)
             for j in self._hash_layers:
+                if j == self._last and step.starts is not None:  # the rows routed there
+                    kept = zip(step.tokens, step.starts, strict=True)
+                    every = np.concatenate([t[a:] for t, a in kept])
                 self.prefetcher.predict(j, np.unique(self.model.hash_experts(j, every)).tolist())
         # one trip to the compute thread per layer when its records are ready: the first trip
         # embeds and runs up to the first MoE layer's routing; each layer's last expert trip
@@ -244,11 +260,9 @@ class Pipeline:
                     for t in range(len(ids)):
                         self.tracer.record(t0 + t, i, ids[t].tolist(), weights[t].tolist())
                     t0 += len(ids)
-            if self.route_observer is not None:
+            if self.route_observer is not None:  # the tokens of the routed rows
                 self.route_observer(
-                    i,
-                    np.concatenate([np.asarray(t, dtype=np.int64) for t, _ in batch]),
-                    np.concatenate([ids for _, ids, _ in routed]),
+                    i, np.concatenate(step.tokens), np.concatenate([ids for _, ids, _ in routed])
                 )
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
             records += len(experts)
@@ -266,6 +280,25 @@ class Pipeline:
         self.times.steps += 1
         self.last_step = (len(batch), records)
         return state
+
+    def _kept_rows(self, step: _Step) -> list[int] | None:
+        """Per sequence the first row whose output the last layer computes: logits_from
+        where all logits are wanted (the last row when that is none), else the last row.
+        None (every row) when that is every row, skip_unused_rows is off, a tracer records
+        every token's routing, or the last layer's kernels after its attention are not
+        row-invariant (Model.ffn_rows_exact)."""
+        if not self.skip_unused_rows or self.tracer is not None:
+            return None
+        # at least the last row (no logits at all: logits_from = n): no kernel sees 0 rows
+        starts = [
+            min(f, len(t) - 1) if full else len(t) - 1
+            for t, full, f in zip(step.tokens, step.want, step.first, strict=True)
+        ]
+        if not any(starts):
+            return None
+        if self._last_exact is None:
+            self._last_exact = self.model.ffn_rows_exact(self._last)
+        return starts if self._last_exact else None
 
     def _prefetch(
         self, i: int, predicted: tuple[int, list[int]] | None, experts: list[int], rows: int
@@ -319,12 +352,19 @@ class Pipeline:
         m = self.model
         for spec in m.spec.layers[start:]:
             i = spec.index
+            last = i == self._last and step.starts is not None
             if spec.moe:
-                routed, predicted, mixes = self._attention_and_route(
-                    i, step.xs, step.kvs, step.pos0, step.stacked, step.tokens
-                )
+                if last:
+                    self._attention_kept(i, step)
+                else:
+                    m.attention_batch(i, step.xs, step.kvs, step.pos0)
+                routed, predicted, mixes = self._route(i, step)
                 return _Routed(i, routed, predicted, mixes)
-            self._dense_layers(i, step.xs, step.kvs, step.pos0)
+            if last:
+                self._attention_kept(i, step)
+                self._dense_ffn_batch(i, [m.post_norm(i, x) for x in step.xs], step.xs)
+            else:
+                self._dense_layers(i, step.xs, step.kvs, step.pos0)
         fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
         return self._logits(step.xs, step.want, step.first, fused, step.targets)
 
@@ -418,26 +458,44 @@ class Pipeline:
         m.dense_ffn(i, m.post_norm(i, x), out)
         x += out
 
-    def _attention_and_route(
-        self,
-        i: int,
-        xs: list[np.ndarray],
-        kvs: list[KVCache],
-        pos0: list[int],
-        stacked: np.ndarray | None = None,
-        tokens: list[np.ndarray] | None = None,
+    def _attention_kept(self, i: int, step: _Step) -> None:
+        """The last layer's attention (Model.attention_rows): keys, values and state of every
+        row; then the step keeps each sequence's rows from step.starts[s] on (hidden states,
+        token ids, per-layer inputs; logits_from counts from the first kept row), so the
+        layer's FFN, the residual and the output head run on those rows only."""
+        starts = step.starts
+        assert starts is not None
+        xs = self.model.attention_rows(i, step.xs, step.kvs, step.pos0, starts)
+        step.tokens = [t[a:] for t, a in zip(step.tokens, starts, strict=True)]
+        step.first = [f - a for f, a in zip(step.first, starts, strict=True)]
+        if step.stacked is not None:  # one array again, each sequence's rows a view into it
+            if step.ples:
+                offsets = np.cumsum([0] + [len(x) for x in step.xs])
+                spans = zip(offsets, starts, offsets[1:], strict=False)
+                keep = np.concatenate([np.arange(o + a, b) for o, a, b in spans])
+                step.ples = [step.ples[0][keep]]
+            step.stacked = np.concatenate(xs)
+            offsets = np.cumsum([0] + [len(x) for x in xs])
+            step.xs = [step.stacked[a:b] for a, b in itertools.pairwise(offsets)]
+            return
+        if step.ples:
+            step.ples = [p[a:] for p, a in zip(step.ples, starts, strict=True)]
+        step.xs = xs
+
+    def _route(
+        self, i: int, step: _Step
     ) -> tuple[
         list[tuple[np.ndarray, np.ndarray, np.ndarray]],
         tuple[int, list[int]] | None,
         list[Any] | None,
     ]:
-        """Per sequence: attention, the FFN input h and the routing (ids int32 [n, k],
-        weights f32 [n, k]) of MoE layer i; the union of what the next MoE layer's router
+        """After MoE layer i's attention, per sequence: the FFN input h and the routing (ids
+        int32 [n, k], weights f32 [n, k]); the union of what the next MoE layer's router
         predicts (one trip to the compute thread); and, with hyper-connections (DeepSeek-V4),
-        each entry's mix for Model.ffn_residual (else None). With `stacked` (fused batches:
-        xs are views into it), the attention is per sequence and the rest runs once over all
-        rows: one (h, ids, weights) entry for the whole batch. tokens: each sequence's token
-        ids (hash-routed layers choose by them)."""
+        each entry's mix for Model.ffn_residual (else None). Fused batches (step.stacked:
+        step.xs are views into it) run once over all rows: one (h, ids, weights) entry for
+        the whole batch. The token ids choose on hash-routed layers. When the next MoE layer
+        is the last one and computes the kept rows only (step.starts), so is its guess."""
         m = self.model
         nxt = None
         elsewhere = self.experts is not None and self.experts.prefetch
@@ -446,26 +504,31 @@ class Pipeline:
             if nxt in self._hash_layers:  # already predicted exactly from the tokens
                 nxt = None
         hc = getattr(m.spec, "hc", None) is not None
-        if tokens is None:
-            tokens = [None] * len(xs)  # type: ignore[list-item]
-        m.attention_batch(i, xs, kvs, pos0)  # projections stacked where row-invariant
+        xs, stacked, tokens = step.xs, step.stacked, step.tokens
+        starts = [0] * len(xs)
+        if nxt == self._last and step.starts is not None:
+            starts = step.starts
         if stacked is not None:
             h, mix = m.ffn_input(i, stacked)
             predicted = None
             if nxt is not None:
-                guess = m.route(nxt, m.post_norm(nxt, stacked), x=stacked)[0]
+                g = stacked
+                if any(starts):
+                    g = np.concatenate([x[a:] for x, a in zip(xs, starts, strict=True)])
+                guess = m.route(nxt, m.post_norm(nxt, g), x=g)[0]
                 predicted = (nxt, list(dict.fromkeys(guess.ravel().tolist())))
-            every = None if tokens[0] is None else np.concatenate(tokens)
+            every = np.concatenate(tokens)
             return [(h, *m.route(i, h, every, x=stacked))], predicted, [mix] if hc else None
         routed, guesses, mixes = [], [], []
-        for x, tok in zip(xs, tokens, strict=True):
+        for x, tok, a in zip(xs, tokens, starts, strict=True):
             h, mix = m.ffn_input(i, x)
             mixes.append(mix)
             routed.append((h, *m.route(i, h, tok, x=x)))
-            if nxt is not None:
+            if nxt is not None and a < len(x):
                 # the next layer's router applied to this layer's hidden state (after that
                 # layer's norm): the prediction DESIGN.md §5 describes
-                guesses.append(m.route(nxt, m.post_norm(nxt, x), x=x)[0].ravel())
+                g = x[a:]
+                guesses.append(m.route(nxt, m.post_norm(nxt, g), x=g)[0].ravel())
         # in the router's order (best first, token by token): the prefetcher reads the first
         # ones first
         predicted = (

@@ -338,8 +338,18 @@ class Scheduler:
             batch = [
                 (np.asarray(t, dtype=np.int64), g.seq.kv) for g, t in zip(members, fed, strict=True)
             ]
+            # a prompt chunk before the last one needs no logits (an empty array): the last
+            # layer then computes every row's keys and values but its output for one row only
+            # (Pipeline._kept_rows)
+            mid = [
+                g.prefilling and g.pos + len(t) < len(g.ids)
+                for g, t in zip(members, fed, strict=True)
+            ]
+            firsts = [len(t) if m else 0 for t, m in zip(fed, mid, strict=True)]
             self._step_members = members
-            self._step = asyncio.ensure_future(self.engine.pipeline.forward_batch(batch))
+            self._step = asyncio.ensure_future(
+                self.engine.pipeline.forward_batch(batch, mid, firsts)
+            )
             try:
                 await asyncio.wait({self._step})
             finally:

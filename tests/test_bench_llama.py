@@ -110,6 +110,11 @@ def test_prefill_breakdown_names_the_parts_where_colibri_is_slower():
     assert "router" not in lines[0]  # parts that took no time are left out
     with_rate = sec_llama.prefill_breakdown(runs, {512: 1024.0}, (512,), "colibri", 10**9)
     assert with_rate[0].endswith("The routed experts ran at 853 GMAC/s (wall).\n")  # 512/0.6
+    # 4 MoE layers, the last one on the last token only: (3 * 512 + 1) / 4 tokens' worth
+    kept = sec_llama.prefill_breakdown(runs, {512: 1024.0}, (512,), "c", 4 * 10**9, None, 4)
+    assert kept[0].endswith("The routed experts ran at 2562 GMAC/s (wall).\n")  # 1537/0.6
+    one = sec_llama.prefill_breakdown(runs, {512: 1024.0}, (512,), "c", 10**9, None, 1)
+    assert "GMAC/s" not in one[0]  # one MoE layer: one token's matvec, no GEMM rate
     # no peer: every size is explained
     assert len(sec_llama.prefill_breakdown(runs, {}, (64, 512), "colibri")) == 2
     assert sec_llama.pp_at(runs[0], 512) == 512.0

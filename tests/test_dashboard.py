@@ -72,13 +72,18 @@ def test_experts_snapshot_counts_every_routed_token(server):
     after = httpx.get(server.url + "/v1/experts").json()
     check_snapshot(after)
     # every token fed (the prompt, then each sampled token but the last) at every MoE layer
-    fed = r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] - 1
-    layers = len(after["moe_layers"])
-    assert after["routed_tokens"] - before["routed_tokens"] == fed * layers
-    for b, a in zip(before["tokens"], after["tokens"], strict=True):
-        assert sum(a) - sum(b) == fed * after["top_k"]
-    # the tier map is the cache's: idle, everything resident is state 2, nothing is read
+    # but the model's last, which routes only the rows whose logits are wanted: of the
+    # prompt (one chunk), its last token (Pipeline._kept_rows)
+    prompt = r["usage"]["prompt_tokens"]
+    fed = prompt + r["usage"]["completion_tokens"] - 1
     eng = server.service.engine
+    routed = [fed] * len(after["moe_layers"])
+    if after["moe_layers"][-1] == len(eng.spec.layers) - 1:
+        routed[-1] = fed - (prompt - 1)
+    assert after["routed_tokens"] - before["routed_tokens"] == sum(routed)
+    for b, a, n in zip(before["tokens"], after["tokens"], routed, strict=True):
+        assert sum(a) - sum(b) == n * after["top_k"]
+    # the tier map is the cache's: idle, everything resident is state 2, nothing is read
     resident = {(layer, e) for layer in range(4) for e in range(8) if eng.cache.contains(layer, e)}
     assert {
         (layer, e) for layer, row in enumerate(after["state"]) for e, v in enumerate(row) if v == 2

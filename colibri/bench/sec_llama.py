@@ -162,11 +162,12 @@ def per_layer_tok_s(small: float | None, big: float | None) -> float | None:
     """Prefill tok/s of one more full layer: an engine that prefills n tokens at `small` tok/s
     on a model of L layers and at `big` on the same model with L + 1 spends n / big - n / small
     seconds in the extra layer, so the layer alone runs at 1 / (1 / big - 1 / small) tok/s.
-    llama.cpp's graph (and ik_llama.cpp's) runs the last layer's FFN, and its attention
-    but for K and V, only for the tokens whose logits are asked for (llama-bench: the last
-    one), so a model's tok/s is not the work colibri does (every layer over every token);
-    one more full layer is the same work in both. None when a figure is missing or the bigger
-    model was not slower (noise)."""
+    Every engine runs the last layer's FFN only for the tokens whose logits are asked for
+    (llama-bench: the last one; llama.cpp's inp_out_ids, colibri's Pipeline.skip_unused_rows),
+    and each skips a different share of that layer's attention (llama.cpp none of it but
+    the FFN's input rows, colibri all but K and V), so a model's tok/s mixes full and partial
+    layers; one more full layer (attention and FFN over every token) is the same work in
+    every engine. None when a figure is missing or the bigger model was not slower (noise)."""
     if not small or not big or big >= small:
         return None
     return 1.0 / (1.0 / big - 1.0 / small)
@@ -186,12 +187,16 @@ def prefill_breakdown(
     name: str,
     expert_macs_per_token: int = 0,
     peer_names: dict[Any, str] | None = None,
+    moe_layers: int = 0,
 ) -> list[str]:
     """Markdown lines saying where colibri's prefill time goes (the last run's PartTimer
     split, `name`'s runs) at each size where it is slower than the peer's tok/s (peer:
     {size: tok/s}, named by peer_names[size], default "llama.cpp"; every size when the peer
     did not run). expert_macs_per_token: the routed experts' multiply-adds per token (all
-    layers, top-k), to state their GMAC/s (0: not)."""
+    layers, top-k), to state their GMAC/s (0: not). moe_layers: the MoE layers they are
+    summed over, the last of which runs the last token only (Pipeline.skip_unused_rows):
+    n tokens then take (moe_layers - 1) n + 1 rows' worth, and a single MoE layer (one
+    token's matvec) gets no rate; 0: every layer runs every token."""
     r = runs[-1] if runs else {}
     out = []
     for n in sizes:
@@ -203,8 +208,11 @@ def prefill_breakdown(
         versus = (f"; {who} takes {n / peer[n] * 1e3:.0f} ms "
                   f"({x['tok_s'] / peer[n]:.2f}×)" if peer.get(n) else "")  # fmt: skip
         rate = ""
-        if expert_macs_per_token and x["breakdown_s"].get("routed experts"):
-            gmacs = expert_macs_per_token * n / x["breakdown_s"]["routed experts"] / 1e9
+        macs = expert_macs_per_token * n
+        if moe_layers:
+            macs = expert_macs_per_token // moe_layers * ((moe_layers - 1) * n + 1)
+        if macs and moe_layers != 1 and x["breakdown_s"].get("routed experts"):
+            gmacs = macs / x["breakdown_s"]["routed experts"] / 1e9
             rate = f" The routed experts ran at {gmacs:.0f} GMAC/s (wall)."
         split = breakdown_line(x["breakdown_s"], n)
         out.append(f"Where colibri's {n}-token prefill time goes ({name}, last round, "
@@ -247,11 +255,12 @@ class PartTimer:
         # a trip's ready experts in one call (Model.expert_ffn_group): routed experts too
         self._saved.append((model.Model, "expert_ffn_group", model.Model.expert_ffn_group))
         model.Model.expert_ffn_group = self._wrap("routed experts", model.Model.expert_ffn_group)
-        # Model.attention (per sequence) runs inside attention_batch: time it only when alone
-        self._saved.append((model.Model, "attention", model.Model.attention))
-        model.Model.attention = self._wrap(
-            "attention (projections, norm, RoPE)", model.Model.attention
-        )
+        # Model.attention (per sequence) runs inside attention_batch, and both inside
+        # attention_rows (the last layer): each is timed only when outermost
+        for name in ("attention", "attention_rows"):
+            fn = getattr(model.Model, name)
+            self._saved.append((model.Model, name, fn))
+            setattr(model.Model, name, self._wrap("attention (projections, norm, RoPE)", fn))
 
     def _wrap(self, label: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -351,6 +360,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
             out["pp_by_n"] = {}
             for n in sizes:
                 samples, split = [], None
+                # untimed first: llama-bench's warmup runs the same prompt size; colibri's
+                # first prefill of a size also pays its new buffers' page faults
+                await eng.forward(eng.new_sequence(), prompt[:n])
                 for _ in range(a.prefill_reps if n <= 512 else 1):
                     seq = eng.new_sequence()
                     if timer:
@@ -529,6 +541,7 @@ def store_figures(store_path: Path) -> dict[str, Any]:
         # K (or V) elements per token per layer: the KV cache a decode step reads
         "kv_dim": (cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+        "moe_layers": moe_layers,
         # routed experts' multiply-adds per token: gate, up and down of top_k experts per layer
         "expert_macs_per_token": moe_layers
         * cfg["num_experts_per_tok"]
@@ -720,9 +733,9 @@ def run(ctx: Context) -> Section:
                       "pp_by_n": {n: median([pp_at(r, n) for r in rs]) for n in sizes}}
                for name, rs in raw.items()}  # fmt: skip
         fits["medians"] = med
-        # equal work: one more full layer (per_layer_tok_s), from the same engines' prefill of
-        # the model with one more layer, rounds interleaved; the peers' pp on `gguf` alone
-        # skips most of the last layer
+        # one more full layer (per_layer_tok_s), from the same engines' prefill of the model
+        # with one more layer, rounds interleaved: every engine's pp on `gguf` alone skips
+        # most of the last layer (its FFN for all tokens but the last)
         per_layer: dict[str, dict[int, float | None]] = {}
         store2, gguf2, _ = ensure_model(ctx, fits_layers + 1, have_llama)
         if store2 is not None and gguf2 is not None and gguf is not None:
@@ -792,10 +805,9 @@ def run(ctx: Context) -> Section:
         for n in sizes:
             best = max(ours, key=lambda c: med[c]["pp_by_n"][n] or 0.0)
             heads.append(Headline(f"Prefill {n} tokens, model fits in RAM", "tok/s",
-                                  med[best]["pp_by_n"][n],
-                                  target="" if lay_ours else "≥ 1.0× the best peer",
-                                  note=f"{best}; unequal work: the peers run the last layer's "
-                                  f"FFN for the last token only; best peer: "
+                                  med[best]["pp_by_n"][n], target="≥ 1.0× the best peer",
+                                  note=f"{best}; every engine runs the last layer's FFN for "
+                                  f"the last token only; best peer: "
                                   f"{peer_names.get(n) or 'did not run'}",
                                   **split_peers(med, lambda m, n=n: pp_n(m, n))))  # fmt: skip
         for n in sizes if lay_ours else ():
@@ -834,8 +846,9 @@ def run(ctx: Context) -> Section:
             + f". Ratios are against the best peer at each figure. colibri: a child "
             f"process opens the store with a budget ≥ the store, loads every expert, then times "
             f"prefills of {', '.join(map(str, sizes))} random tokens (each from an empty "
-            f"context; median of 2 up to 512 tokens, one above; the f32 path the first size "
-            f"only) and {n_gen} greedy decode steps "
+            f"context after an untimed one of the same size, as llama-bench's warmup run; "
+            f"median of 2 up to 512 tokens, one above; the f32 path the first size only) and "
+            f"{n_gen} greedy decode steps "
             f"separately. Medians of {ctx.rounds} interleaved rounds. The bound is "
             f"{sf['active_bytes_per_token'] / 1e6:.0f} MB of weights read per token (top-2 "
             f"experts per layer, all attention, the LM head) at {fmt(mem_gbps)} GB/s.",
@@ -863,14 +876,17 @@ def run(ctx: Context) -> Section:
                                  *("—" if not (pl.get(n) and best_n.get(n))
                                    else f"{pl[n] / best_n[n]:.2f}×" for n in sizes)])  # fmt: skip
             md += [
-                f"**Prefill of one full layer (equal work).** llama.cpp and ik_llama.cpp run the "
-                f"last layer's FFN (and its attention but for K and V) only for the tokens "
-                f"whose logits are asked for, the last one in llama-bench; colibri runs every "
-                f"layer over every token. On the {fits_layers}-layer model the peers' prefill "
-                f"above is therefore mostly K/V projections. Each engine's prefill of the same "
+                f"**Prefill of one full layer.** Every engine above runs the last layer's MoE "
+                f"only for the tokens whose logits are asked for, the last one here "
+                f"(llama.cpp and ik_llama.cpp: `inp_out_ids`, the rows cut after the "
+                f"attention block; colibri: `Pipeline.skip_unused_rows`, the rows cut after K "
+                f"and V, so its last layer also computes queries, attention and the output "
+                f"projection for the last token only; same logits as computing every row). "
+                f"On the {fits_layers}-layer model the prefill above is therefore mostly "
+                f"attention (colibri: K/V projections). Each engine's prefill of the same "
                 f"model with {fits_layers + 1} layers (interleaved rounds) gives the time of one "
-                f"more full layer (attention and MoE over every token): n / (n / pp("
-                f"{fits_layers + 1}) - n / pp({fits_layers})).",
+                f"more full layer (attention and MoE over every token), the same work in every "
+                f"engine: n / (n / pp({fits_layers + 1}) - n / pp({fits_layers})).",
                 "",
                 table(lay_head, lay_rows),
                 "",
@@ -891,7 +907,7 @@ def run(ctx: Context) -> Section:
             md += deep_md
         md += prefill_breakdown(raw.get(vname[variants[0]], []), peer["pp_by_n"], sizes,
                                 vname[variants[0]], sf["expert_macs_per_token"],
-                                peer_names)  # fmt: skip
+                                peer_names, sf["moe_layers"])  # fmt: skip
     data["fits"] = fits
     panels: list[dict[str, Any]] = []
     if fits.get("medians"):

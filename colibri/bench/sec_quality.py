@@ -241,7 +241,8 @@ async def eval_speed(
     log-sum-exp of the scored rows (ops.logsumexp, probed for the run's duration), and
     NAME_rest_cpu the tokens per CPU second of everything else (the CPU seconds minus head
     and log-sum-exp: eval's work besides scoring, beside prefill's besides its one head row
-    a chunk). Also: bytes_per_token_prefill,
+    a chunk; prefill also runs its last layer's output for that row only, eval for every
+    scored row). Also: bytes_per_token_prefill,
     bytes_per_token_ppl_MODE and bytes_per_token_hellaswag_MODE (expert bytes read from the
     store per token fed, last round), ppl_MODE_value (the PPL of those 4 windows) and
     hellaswag_acc (on `docs`)."""
