@@ -54,6 +54,7 @@ class Linear:
     pad: run the kernel on x padded with zero rows to a multiple of `pad` rows (1: never)."""
 
     pad = 1
+    x16 = False  # w holds X16-packed bytes (pack_x16): matmul_q8_x16, same bits
 
     def __init__(
         self,
@@ -96,6 +97,8 @@ class Linear:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
         if self.act_q8k:
             ops.matmul_q8k(self.w, self.qtype, ops.quantize_q8_k(x), out, nthreads=nthreads)
+        elif self.x16:
+            ops.matmul_q8_x16(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
         elif self.act_q8:
             ops.matmul_q8(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
         else:
@@ -103,6 +106,22 @@ class Linear:
         if self.bias is not None:
             out += self.bias
         return out
+
+    def pack_x16(self) -> bool:
+        """Repack W in place into the X16 layout (ops.pack_x16: the AVX-512 matvec's own
+        order, one sequential stream) when this Linear runs on Q8_0 activations, its shape
+        has the layout and this CPU has the kernel (ops.x16_fast); results keep their bits.
+        Only for Linears used through __call__ (W's bytes are no longer GGML rows). Returns
+        whether it packed."""
+        w = self.w
+        if not (self.act_q8 and not self.act_q8k and not self.x16 and ops.x16_fast()
+                and self.qtype in ops.X16_TYPES and ops.x16_ok(self.qtype, self.rows, self.cols)
+                and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
+                and w.flags.c_contiguous):  # fmt: skip
+            return False
+        self.w = ops.pack_x16(w, self.qtype, self.cols, out=w if w.flags.writeable else None)
+        self.x16 = True
+        return True
 
 
 def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
@@ -114,6 +133,7 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     same = all(
         p.qtype == p0.qtype and p.cols == p0.cols and p.act_q8 == p0.act_q8 and
         p.act_q8k == p0.act_q8k and (p.bias is None) == (p0.bias is None) and
+        p.x16 == p0.x16 and
         p.w.ndim == p0.w.ndim and p.w.shape[1:] == p0.w.shape[1:]
         for p in parts
     )  # fmt: skip
@@ -122,7 +142,7 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
     bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
     fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8, p0.act_q8k)
-    fused.pad = p0.pad
+    fused.pad, fused.x16 = p0.pad, p0.x16
     r = 0
     for p in parts:
         p.w, p.bias = w[r : r + p.rows], None if bias is None else bias[r : r + p.rows]
@@ -433,6 +453,7 @@ class Model:
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.ple = self._load_ple() if spec.per_layer_input is not None else None
         self.layers = [self._load_layer(layer) for layer in spec.layers]
+        self._pack_x16()
         if spec.hc is not None:  # DeepSeek-V4's hyper-connection head
             N = spec.hc.hc_mult
             self.hc_head = (
@@ -440,6 +461,27 @@ class Model:
                 self._vector(spec.hc.head_base, N),
                 self._vector(spec.hc.head_scale, 1),
             )
+
+    def _pack_x16(self) -> None:
+        """The decode layout (Linear.pack_x16) for the LM head and the projections of plain
+        attention layers (q, k, v fused or not, o), the dense weights every token streams from
+        memory; other Linears keep GGML rows (some are read as rows: MLA's kv_b, shared
+        experts)."""
+        self.lm_head.pack_x16()
+        for spec, w in zip(self.spec.layers, self.layers, strict=True):
+            a = spec.attention
+            if spec.linear_attn is not None or a.shared_kv is not None or a.mla is not None:
+                continue
+            parts = [w[k] for k in ("q", "k", "v") if k in w]
+            if "qkv" in w:  # the parts are views into it: pack it when they stay whole tiles
+                if all(p.rows % 16 == 0 for p in parts) and w["qkv"].pack_x16():
+                    for p in parts:
+                        p.x16 = True
+            else:
+                for p in parts:
+                    p.pack_x16()
+            if isinstance(w.get("o"), Linear):
+                w["o"].pack_x16()
 
     def _expert_plan(
         self, layout: ExpertLayout

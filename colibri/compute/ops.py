@@ -376,6 +376,73 @@ def matmul_q8(
     return out
 
 
+# ---- X16-packed weights (decode layout of a Q4_0 / Q8_0 matrix in RAM) --------------------
+# Rows in tiles of 16 stored as the AVX-512 matvec reads them (colibri.h: clb_pack_x16): one
+# sequential stream of 64-byte loads with no shuffles. Tile-aligned row ranges keep their byte
+# ranges, so views of whole tiles stay packed matrices. matmul_q8_x16 gives matmul_q8's bits.
+X16_TYPES = frozenset({QType.Q4_0, QType.Q8_0})
+
+
+def x16_ok(qtype: QType | str | int, rows: int, cols: int) -> bool:
+    """True when a [rows, cols] matrix of `qtype` has the X16 layout: Q4_0 or Q8_0, rows a
+    multiple of 16, cols a multiple of 64."""
+    return bool(lib.clb_x16_ok(int(QType.parse(qtype)), int(rows), int(cols)))
+
+
+def x16_fast() -> bool:
+    """True when matmul_q8_x16 runs its own kernel (AVX512-VNNI at the current ISA level) for
+    up to 15 x rows; elsewhere it unpacks tiles for the row-major kernels (slower than
+    matmul_q8 on GGML rows: pack only where this is True)."""
+    return bool(lib.clb_x16_fast())
+
+
+def _x16_convert(fn, what: str, w: np.ndarray, qtype, cols: int, out) -> np.ndarray:
+    qt = QType.parse(qtype)
+    if not (isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
+            and w.flags.c_contiguous):  # fmt: skip
+        raise KernelError(f"{what}: w must be a C-contiguous uint8 [rows, row_nbytes] array")
+    rows = w.shape[0]
+    if not x16_ok(qt, rows, cols) or w.shape[1] != _row_nbytes(qt, cols):
+        raise KernelError(f"{what}: {qt.name} [{rows}, {cols}] ({w.shape}) has no X16 layout")
+    if out is None:
+        out = np.empty_like(w)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.shape == w.shape
+              and out.flags.c_contiguous and out.flags.writeable):  # fmt: skip
+        raise KernelError(f"{what}: out must be a writable C-contiguous uint8 {w.shape} array")
+    _check(fn(int(qt), ffi.from_buffer(out), ffi.from_buffer(w), rows, cols), what)
+    return out
+
+
+def pack_x16(
+    w: np.ndarray, qtype: QType | str | int, cols: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """GGML rows w uint8 [rows, row_nbytes(qtype, cols)] -> the same bytes in the X16 layout
+    (a new array, or `out`, which may be w itself: packed in place). Raises KernelError when
+    x16_ok(qtype, rows, cols) is False or an array is wrong."""
+    return _x16_convert(lib.clb_pack_x16, "pack_x16", w, qtype, cols, out)
+
+
+def unpack_x16(
+    w: np.ndarray, qtype: QType | str | int, cols: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The inverse of pack_x16 (X16 bytes -> GGML rows); same arguments and errors."""
+    return _x16_convert(lib.clb_unpack_x16, "unpack_x16", w, qtype, cols, out)
+
+
+def matmul_q8_x16(
+    w: np.ndarray, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """matmul_q8 on X16-packed weights (pack_x16): out[n, rows] = xq[n, cols] @ W^T, the same
+    bits as matmul_q8 on the GGML rows. w uint8 [rows, row_nbytes]; xq, out as matmul_q8.
+    Raises KernelError on a shape without the X16 layout or any mismatch."""
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    n, cols, rows = _matmul_act_args("matmul_q8_x16", w, qt, X16_TYPES, xq, out, "Q8_0", 34, 32)
+    rc = lib.clb_matmul_q8_x16(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul_q8_x16({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
 # Weight types with a GEMM on Q8_K activations (matmul_q8k).
 Q8K_ACT_TYPES = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 Q8K_BLOCK_NBYTES = 292  # ggml's block_q8_K: f32 d, 256 int8, 16 int16 sums
