@@ -16,8 +16,8 @@ import numpy as np
 
 from colibri.compute import deltanet, dsv4, moe, ops
 from colibri.compute.ops import QType
-from colibri.errors import StoreError
-from colibri.io.format import ExpertLayout, Store
+from colibri.errors import KernelError, StoreError
+from colibri.io.format import ExpertLayout, ExpertRecord, Store
 from colibri.models.spec import GEMMA_NORMS, AttentionSpec, LayerSpec, ModelSpec
 
 _F32 = QType.parse("f32")
@@ -440,6 +440,9 @@ class Model:
             for key in [None, *store.moe_layers]
         }
         self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
+        # records reach expert_ffn(_group) X16-packed (x16_record, run by the engine's cache
+        # on each read when every record stays resident)
+        self.x16_experts = False
 
     # ---- loading -------------------------------------------------------------------------
     def _load_dense(self) -> None:
@@ -1540,6 +1543,14 @@ class Model:
         if m_rows % self.pad and not (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)):
             x = pad_rows(np.ascontiguousarray(x), self.pad)
             weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
+        if self.x16_experts:  # packed records: the group kernel on this one (same bits)
+            return ops.expert_ffn_group(
+                np.empty((m_rows, self.spec.d_model), dtype=np.float32),
+                np.ascontiguousarray(x, dtype=np.float32), [record], spans, qts,
+                np.array([0, m_rows], np.int64), self.spec.d_model, self.d_ff, act=m.act,
+                row_weight=np.ascontiguousarray(weights, dtype=np.float32), alpha=m.alpha,
+                limit=m.limit, act_q8=True, nthreads=self.nthreads, x16=True,
+            )  # fmt: skip
         y = np.empty((x.shape[0], self.spec.d_model), dtype=np.float32)
         bias = {
             n: part[n].view(np.float32) if n in part else None
@@ -1575,6 +1586,37 @@ class Model:
             qtypes=qts if len(set(qts)) > 1 else None,
         )
         return y[:m_rows]
+
+    def _x16_shapes(self, layer: int | None) -> list[tuple[str, QType, int, int]] | None:
+        """(tensor, type, rows, cols) of gate, up, down of layer `layer`'s records when they
+        have the X16 layout and Q8_0 activations run them (else None)."""
+        _, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        d, f = self.spec.d_model, self.d_ff
+        shapes = [("gate", qts[0], f, d), ("up", qts[1], f, d), ("down", qts[2], d, f)]
+        if not act_q8:  # (Q8_K activations take K-quants only: never these types)
+            return None
+        ok = all(q in ops.X16_TYPES and ops.x16_ok(q, r, c) for _, q, r, c in shapes)
+        return shapes if ok else None
+
+    def x16_experts_ok(self) -> bool:
+        """True when every layer's expert records can run X16-packed (x16_record): Q4_0 / Q8_0
+        gate, up, down on Q8_0 activations with X16 shapes, on a CPU with the kernel."""
+        return ops.x16_fast() and all(self._x16_shapes(k) is not None for k in self._experts)
+
+    def x16_record(self, record: ExpertRecord, buf: np.ndarray) -> None:
+        """Repack a freshly read expert record's gate, up and down in place (buf: uint8, the
+        record's bytes in its slab slot) into the X16 layout (ops.pack_x16), which
+        expert_ffn(_group) read when x16_experts is set: one sequential stream per 16-row
+        tile for the decode matvec, the same bits. Raises KernelError on a layout without
+        it (x16_experts_ok is False)."""
+        spans = self._experts.get(record.layer, self._experts[None])[0]
+        shapes = self._x16_shapes(record.layer)
+        if shapes is None:
+            raise KernelError(f"layer {record.layer}: expert records have no X16 layout")
+        for name, qt, rows, cols in shapes:
+            o, nb = spans[name]
+            v = buf[o : o + nb].reshape(rows, nb // rows)
+            ops.pack_x16(v, qt, cols, out=v)
 
     def expert_group_ok(self, layer: int | None) -> bool:
         """True when expert_ffn_group can run layer `layer`'s experts: row-invariant kernels
@@ -1612,7 +1654,7 @@ class Model:
             y, np.ascontiguousarray(h, dtype=np.float32), records, spans, qts, row_off,
             self.spec.d_model, self.d_ff, act=m.act,
             row_weight=np.ascontiguousarray(weights, dtype=np.float32), alpha=m.alpha,
-            limit=m.limit, act_q8=act_q8, q8k=q8k, nthreads=self.nthreads,
+            limit=m.limit, act_q8=act_q8, q8k=q8k, nthreads=self.nthreads, x16=self.x16_experts,
         )  # fmt: skip
 
     def logits(self, x: np.ndarray) -> np.ndarray:

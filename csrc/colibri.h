@@ -93,8 +93,9 @@ int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq,
  * clb_x16_ok: the shapes that have it (Q4_0 or Q8_0, rows a multiple of 16, cols of 64).
  * clb_pack_x16 / clb_unpack_x16: GGML rows <-> X16 bytes (dst may be src; CLB_EINVAL on a
  * shape without it or no memory for one tile). clb_matmul_q8_x16: clb_matmul_q8 on packed
- * weights, the same bits; one sequential stream per tile with no shuffles on AVX512-VNNI
- * (clb_x16_fast) for n <= 15, else the row-major kernels on unpacked rows. */
+ * weights, the same bits; on AVX512-VNNI (clb_x16_fast) one sequential stream per tile with
+ * no shuffles for n <= 8, the GEMMs on the packed tiles above; elsewhere (and for AMX
+ * batches) the row-major kernels on unpacked rows. */
 int clb_x16_ok(int qtype, int64_t rows, int64_t cols);
 int clb_x16_fast(void);
 int clb_pack_x16(int qtype, void *dst, const void *src, int64_t rows, int64_t cols);
@@ -134,8 +135,10 @@ int clb_expert_ffn_mixed(int gate_qtype, int up_qtype, int down_qtype, float *y,
  * down[e]: expert e's tensors (all experts in the same qt_g / qt_u / qt_d); the bias arrays
  * are NULL or hold one nullable pointer per expert; row_weight f32 [row_off[n_experts]],
  * nullable. scratch and qscratch are sized for the largest expert's row count. Experts run
- * one after another (each over the thread pool); the first error is returned. */
-int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, float *y,
+ * one after another (each over the thread pool); the first error is returned. x16 = 1: every
+ * tensor is X16-packed (clb_pack_x16; q8k = 0, qscratch given, clb_x16_ok shapes, else
+ * CLB_EINVAL), the same bits as on GGML rows. */
+int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, int x16, float *y,
                          float *scratch, const float *x, const void *const *gate,
                          const void *const *up, const void *const *down,
                          const float *const *gate_bias, const float *const *up_bias,

@@ -192,7 +192,7 @@ int clb_unpack_x16(int qtype, void *dst, const void *src, int64_t rows, int64_t 
 /* Bigger batches (and other ISA levels) unpack at most this many bytes of rows at a time into
  * a per-thread buffer and run the row-major kernels on them. */
 #define X16_UNPACK_BYTES (4 << 20)
-#define X16_VEC_MAX 15 /* x rows that the X16 kernel takes (arch/matmul_q8.inc MMQ_X16_MAX) */
+#define X16_VEC_MAX 8 /* x rows of the X16 tile kernel (arch/matmul_q8.inc MMQ_X16_MAX) */
 
 static uint8_t *x16_scratch(size_t nbytes) {
     static __thread uint8_t *buf;
@@ -207,41 +207,51 @@ static uint8_t *x16_scratch(size_t nbytes) {
 }
 
 struct x16_job {
-    int qtype, fast;
+    int qtype;
     float *y;
     const uint8_t *w, *xq;
     int64_t rows, cols, n, rb, xrb, ch;
 };
 
+/* clb_mmq_rows_fn on X16-packed weights (r0, r1 on tile bounds): the AVX512-VNNI kernels
+ * (the tile kernel, or the GEMMs reading the packed tiles), but for AMX batches and at other
+ * ISA levels tiles unpacked into a per-thread buffer for the row-major kernels. */
+void clb_x16_rows(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t rb,
+                  const uint8_t *xq, int64_t xrb, int64_t cols, int64_t n, int64_t r0, int64_t r1,
+                  const float *bias, const float *scale, int accumulate) {
+    const int fast = clb_x16_fast();
+    if (fast && (n <= X16_VEC_MAX || !clb_amx_get())) { /* AMX: its tiles on unpacked rows */
+        clb_mmq_x16_rows_avx512vnni(qtype, y, ldy, w, rb, xq, xrb, cols, n, r0, r1, bias, scale,
+                                    accumulate);
+        return;
+    }
+    int64_t u = X16_UNPACK_BYTES / rb / 16 * 16;
+    if (u < 16) u = 16;
+    if (u > r1 - r0) u = r1 - r0;
+    uint8_t *buf = x16_scratch(u * rb);
+    if (!buf) {
+        clb_kq_fail_rows(y, ldy, n, r0, r1);
+        return;
+    }
+    const clb_mmq_rows_fn fn = clb_mmq_rows_for(qtype);
+    const int64_t nblk = cols / QK;
+    for (int64_t s = r0; s < r1; s += u) {
+        const int64_t m = r1 - s < u ? r1 - s : u;
+        const uint8_t *src = w + s * rb;
+        if (fast) clb_x16_unpack_avx512vnni(qtype, buf, src, rb, nblk, m / 16);
+        else
+            for (int64_t t = 0; t < m / 16; t++)
+                x16_tile(qtype, (uint8_t *)src + t * 16 * rb, buf + t * 16 * rb, rb, nblk, 0);
+        fn(qtype, y + s, ldy, buf, rb, xq, xrb, cols, n, 0, m, bias ? bias + s : NULL, scale,
+           accumulate);
+    }
+}
+
 static void x16_chunk(void *ctx, int64_t c) {
     const struct x16_job *j = ctx;
     const int64_t r0 = c * j->ch, r1 = r0 + j->ch < j->rows ? r0 + j->ch : j->rows;
-    if (j->fast && j->n <= X16_VEC_MAX) {
-        clb_mmq_x16_rows_avx512vnni(j->qtype, j->y, j->rows, j->w, j->rb, j->xq, j->xrb, j->cols,
-                                    j->n, r0, r1, NULL, NULL, 0);
-        return;
-    }
-    int64_t u = X16_UNPACK_BYTES / j->rb / 16 * 16;
-    if (u < 16) u = 16;
-    if (u > r1 - r0) u = r1 - r0;
-    uint8_t *buf = x16_scratch(u * j->rb);
-    if (!buf) {
-        clb_kq_fail_rows(j->y, j->rows, j->n, r0, r1);
-        return;
-    }
-    const clb_mmq_rows_fn fn = clb_mmq_rows_for(j->qtype);
-    const int64_t nblk = j->cols / QK;
-    for (int64_t s = r0; s < r1; s += u) {
-        const int64_t m = r1 - s < u ? r1 - s : u;
-        const uint8_t *src = j->w + s * j->rb;
-        if (j->fast) clb_x16_unpack_avx512vnni(j->qtype, buf, src, j->rb, nblk, m / 16);
-        else
-            for (int64_t t = 0; t < m / 16; t++)
-                x16_tile(j->qtype, (uint8_t *)src + t * 16 * j->rb, buf + t * 16 * j->rb, j->rb,
-                         nblk, 0);
-        fn(j->qtype, j->y + s, j->rows, buf, j->rb, j->xq, j->xrb, j->cols, j->n, 0, m, NULL,
-           NULL, 0);
-    }
+    clb_x16_rows(j->qtype, j->y, j->rows, j->w, j->rb, j->xq, j->xrb, j->cols, j->n, r0, r1,
+                 NULL, NULL, 0);
 }
 
 int clb_matmul_q8_x16(int qtype, float *y, const void *w, const void *xq, int64_t rows,
@@ -252,8 +262,7 @@ int clb_matmul_q8_x16(int qtype, float *y, const void *w, const void *xq, int64_
     if (!y || !w || !xq) return CLB_EINVAL;
     const int64_t rb = clb_row_nbytes(qtype, cols), xrb = clb_row_nbytes(CLB_QTYPE_Q8_0, cols);
     const int nt = clb_threads_for(nthreads, rows * rb * ((n + 3) / 4), rows);
-    struct x16_job j = {qtype, clb_x16_fast(), y, w, xq, rows, cols, n, rb, xrb,
-                        clb_chunk_rows(rows, nt)};
+    struct x16_job j = {qtype, y, w, xq, rows, cols, n, rb, xrb, clb_chunk_rows(rows, nt)};
     const int64_t nch = (rows + j.ch - 1) / j.ch;
     if (nt == 1)
         for (int64_t c = 0; c < nch; c++) x16_chunk(&j, c);

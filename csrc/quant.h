@@ -101,11 +101,14 @@ CLB_DECLARE_MMQ(clb_mmq_rows_avx512vnni) /* same bits as the others (AVX512-VNNI
 clb_mmq_rows_fn clb_mmq_rows_for_isa(void);
 
 /* X16-packed Q4_0 / Q8_0 weights (clb_pack_x16, colibri.h), AVX512-VNNI: the rows kernel for
- * n <= 15 x rows (r0, r1 multiples of 16; same bits as the row-major kernels), and tiles back
- * to GGML rows. */
+ * any n (r0, r1 multiples of 16; same bits as the row-major kernels), and tiles back to GGML
+ * rows. */
 CLB_DECLARE_MMQ(clb_mmq_x16_rows_avx512vnni)
 void clb_x16_unpack_avx512vnni(int qtype, uint8_t *dst, const uint8_t *src, int64_t row_nbytes,
                                int64_t nblk, int64_t ntiles);
+/* clb_mmq_rows_fn on X16-packed weights at any ISA level and batch (matmul.c): the kernel
+ * above where it runs, else tiles unpacked for clb_mmq_rows_for(qtype); r0, r1 on tile bounds. */
+CLB_DECLARE_MMQ(clb_x16_rows)
 
 /* nblk Q8_0 blocks from 32 * nblk floats, on the calling thread, at the current ISA level;
  * every variant gives clb_quantize's (and gguf's) exact bytes. */

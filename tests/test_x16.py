@@ -49,16 +49,17 @@ def test_pack_layout_vs_numpy_and_round_trip(qt, rows, cols):
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols", [(16, 64), (80, 192), (272, 1088)])
 def test_matmul_q8_x16_bit_equal_to_rows(isa, qt, rows, cols):
-    """Every batch size gives matmul_q8's bits on the GGML rows (the packed kernel up to 15 x
-    rows on AVX512-VNNI, unpacked tiles after and on the other levels), 1 and 2 threads, 1-D
-    x; and the independent reference's values."""
+    """Every batch size gives matmul_q8's bits on the GGML rows (on AVX512-VNNI the packed
+    tile kernel up to 8 x rows, then the GEMMs on packed tiles: 16 x rows in the lanes with
+    and without an 8-lane tail column, 16-row tiles; unpacked tiles on the other levels), 1
+    and 2 threads, 1-D x; and the independent reference's values."""
     rng = np.random.default_rng(rows * 31 + cols)
     w, _ = random_weights(rng, qt, rows, cols)
     p = ops.pack_x16(w, qt, cols)
     x = rng.standard_normal((40, cols)).astype(np.float32)
     x[1] *= 1e-3
     xq = ops.quantize_act(x)
-    for n in (1, 2, 3, 4, 5, 15, 16, 17, 40):
+    for n in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 20, 23, 40):
         for t in (1, 2):
             want = ops.matmul_q8(w, qt, xq[:n], np.empty((n, rows), np.float32), nthreads=t)
             got = ops.matmul_q8_x16(p, qt, xq[:n], np.full((n, rows), np.nan, np.float32), t)
@@ -110,3 +111,76 @@ def test_linear_pack_keeps_bits(qt):
         np.testing.assert_array_equal(lin(x[:n]), y)
     f32 = Linear(w.copy(), qt, rows, cols, None, act_q8=False)
     assert not f32.pack_x16() and not f32.x16  # f32 activations keep GGML rows
+
+
+@pytest.mark.parametrize("qt,biases", [(ops.QType.Q4_0, False), (ops.QType.Q8_0, True)])
+def test_expert_ffn_group_x16_bit_equal(isa, qt, biases):
+    """Records whose gate, up and down are X16-packed (Model.x16_record) give
+    expert_ffn_group's bits on the GGML records: experts of 1 to 17 rows (the packed tile
+    kernel, and the GEMMs past 8), 1 and 2 threads."""
+    from tests.test_expert_group import _records
+
+    rng = np.random.default_rng(21)
+    d_model, d_ff = 128, 192
+    qts = (qt,) * 3
+    counts = [1, 3, 0, 17, 2, 9]
+    records, spans, _ = _records(rng, qts, d_model, d_ff, len(counts), biases)
+    packed = [r.copy() for r in records]
+    for rec in packed:
+        for name, rows, cols in (("gate", d_ff, d_model), ("up", d_ff, d_model),
+                                 ("down", d_model, d_ff)):  # fmt: skip
+            o, nb = spans[name]
+            v = rec[o : o + nb].reshape(rows, -1)
+            np.testing.assert_array_equal(ops.pack_x16(v, qt, cols, out=v), v)
+    n = sum(counts)
+    x = rng.standard_normal((n, d_model)).astype(np.float32)
+    rw = rng.uniform(0.1, 1, n).astype(np.float32)
+    row_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    for t in (1, 2):
+        args = (spans, qts, row_off, d_model, d_ff)
+        want = ops.expert_ffn_group(np.empty((n, d_model), np.float32), x, records, *args,
+                                    row_weight=rw, act_q8=True, nthreads=t)  # fmt: skip
+        got = ops.expert_ffn_group(np.full((n, d_model), np.nan, np.float32), x, packed, *args,
+                                   row_weight=rw, act_q8=True, nthreads=t, x16=True)  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(KernelError):  # x16 needs Q8_0 activations
+        ops.expert_ffn_group(np.empty((n, d_model), np.float32), x, packed, *args, x16=True)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q8_0"])
+async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, quant):
+    """A tiny Mixtral whose shapes have the X16 layout: with every record resident the engine
+    packs its experts, LM head and attention projections where the CPU has the kernel, and
+    its logits over a prefill and 12 greedy steps are the bits of the same engine with packing
+    off (ops.x16_fast False: GGML rows everywhere), with every record resident or a cache of
+    one layer's top-k (records evicted and re-read)."""
+    from colibri.convert import convert
+    from colibri.engine import open_engine
+    from colibri.io.format import open_store
+    from tests import hf_models
+
+    model = hf_models.build("mixtral", seed=4, intermediate_size=128)
+    src = hf_models.save(model, tmp_path / "hf")
+    store = tmp_path / "store"
+    convert(src, store, quant=quant, dense_quant="q8_0")
+    s = open_store(store)
+    record, k = s.layout.record_nbytes, s.config["num_experts_per_tok"]
+    ids = list(range(3, 40))
+
+    async def run(budget: int) -> tuple[bool, bool, np.ndarray]:
+        async with open_engine(store, budget=budget, activations="q8_0") as eng:
+            seq = eng.new_sequence()
+            out = [await eng.forward(seq, ids)]
+            for _ in range(12):
+                out.append(await eng.forward(seq, [int(np.argmax(out[-1]))]))
+            return eng.model.x16_experts, eng.model.lm_head.x16, np.stack(out)
+
+    everything = len(s.records) * record
+    x16_experts, x16_head, got = await run(everything)
+    assert x16_experts == x16_head == ops.x16_fast()
+    assert not (await run(k * record))[0]  # evicting cache: experts stay GGML rows
+    monkeypatch.setattr(ops, "x16_fast", lambda: False)
+    for budget in (everything, k * record):
+        x16_experts, x16_head, want = await run(budget)
+        assert not x16_experts and not x16_head
+        np.testing.assert_array_equal(got, want)

@@ -740,6 +740,7 @@ def expert_ffn_group(
     act_q8: bool = False,
     q8k: bool = False,
     nthreads: int = 0,
+    x16: bool = False,
 ) -> np.ndarray:
     """Several experts of one layer in one kernel call (clb_expert_ffn_group): expert e, whose
     record is records[e] (uint8 buffers, e.g. slab slots), runs on the rows
@@ -751,14 +752,24 @@ def expert_ffn_group(
     every record, for "gate", "up", "down" and optionally "gate_bias", "up_bias",
     "down_bias" (f32); qtypes: (gate, up, down) storage types, the same for every record.
     One Python call for a layer's ready experts instead of one per expert (serve's batches
-    run tens of experts a layer). Returns out. Raises KernelError on bad shapes, spans that
-    do not fit a record, or types the chosen path does not take."""
+    run tens of experts a layer). x16: gate, up and down are X16-packed in every record
+    (pack_x16; act_q8, not q8k, Q4_0 / Q8_0 with x16_ok shapes), the same bits. Returns out.
+    Raises KernelError on bad shapes, spans that do not fit a record, or types the chosen path
+    does not take."""
     qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
     what = "expert_ffn_group"
     if q8k and (len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts)):
         raise KernelError(f"{what}: q8k needs Q4_K, Q5_K or Q6_K gate/up/down, got {qts}")
     if len(qts) != 3:
         raise KernelError(f"{what}: qtypes must be (gate, up, down), got {len(qts)} types")
+    if x16 and (
+        q8k
+        or not act_q8
+        or not x16_ok(qts[0], d_ff, d_model)
+        or not x16_ok(qts[1], d_ff, d_model)
+        or not x16_ok(qts[2], d_model, d_ff)
+    ):
+        raise KernelError(f"{what}: x16 needs act_q8, Q4_0 / Q8_0 and x16_ok shapes, got {qts}")
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
     n, cols, rows = _rows_x(x, out, what)
     if x.ndim != 2 or cols != d_model or rows != d_model:
@@ -808,7 +819,7 @@ def expert_ffn_group(
     if act_q8 and not q8k:
         scratch, qs = _ffn_scratch(scratch, True, qts, max(m, 1), d_model, d_ff)
     rc = lib.clb_expert_ffn_group(
-        len(records), *qts, bool(q8k), _fp(out), _fp(scratch), _fp(x),
+        len(records), *qts, bool(q8k), bool(x16), _fp(out), _fp(scratch), _fp(x),
         ffi.new("void *[]", ptrs["gate"]), ffi.new("void *[]", ptrs["up"]),
         ffi.new("void *[]", ptrs["down"]), *biases, _fp(row_weight),
         ffi.cast("int64_t *", ffi.from_buffer(row_off)), d_model, d_ff, a, alpha, limit, qs,
