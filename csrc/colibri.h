@@ -84,13 +84,14 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x,
 int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq,
                   int64_t rows, int64_t cols, int64_t n, int nthreads);
 
-/* ---- X16-packed weights (matmul.c, arch/matmul_q8.inc) -------------------------------
- * The decode layout of a Q4_0 / Q8_0 matrix held in RAM: rows in tiles of 16 (a tile keeps its
- * 16 rows' bytes, 16 row_nbytes, so tile-aligned row ranges are the same byte ranges as in
- * GGML rows), each tile stored as the AVX-512 matvec reads it: per pair of blocks the 2 x 16
- * f16 scales (64 bytes: block 2p's rows 0..15, then block 2p+1's), then per block the quant
- * bytes in groups k (Q4_0: 4, Q8_0: 8) of 64 bytes, dword j = row j's quant bytes 4k..4k+3.
- * clb_x16_ok: the shapes that have it (Q4_0 or Q8_0, rows a multiple of 16, cols of 64).
+/* ---- X16-packed weights (matmul.c, arch/matmul_q8.inc, arch/matmul_mxfp4.inc) --------
+ * The decode layout of a Q4_0 / Q8_0 / MXFP4 matrix held in RAM: rows in tiles of 16 (a tile
+ * keeps its 16 rows' bytes, 16 row_nbytes, so tile-aligned row ranges are the same byte ranges
+ * as in GGML rows), each tile stored as the AVX-512 matvec reads it: per pair of blocks the
+ * 2 x 16 scales (f16, MXFP4 e8m0: block 2p's rows 0..15, then block 2p+1's), then per block
+ * the quant bytes in groups k (Q4_0, MXFP4: 4, Q8_0: 8) of 64 bytes, dword j = row j's quant
+ * bytes 4k..4k+3. clb_x16_ok: the shapes that have it (those types, rows a multiple of 16,
+ * cols of 64).
  * clb_pack_x16 / clb_unpack_x16: GGML rows <-> X16 bytes (dst may be src; CLB_EINVAL on a
  * shape without it or no memory for one tile). clb_matmul_q8_x16: clb_matmul_q8 on packed
  * weights, the same bits; on AVX512-VNNI (clb_x16_fast) one sequential stream per tile with

@@ -141,24 +141,26 @@ int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq, int64_t ro
 /* ---- X16-packed weights (colibri.h: clb_pack_x16) ------------------------------------------ */
 
 int clb_x16_ok(int qtype, int64_t rows, int64_t cols) {
-    return (qtype == CLB_QTYPE_Q4_0 || qtype == CLB_QTYPE_Q8_0) && rows > 0 && rows % 16 == 0 &&
-           cols > 0 && cols % 64 == 0;
+    return (qtype == CLB_QTYPE_Q4_0 || qtype == CLB_QTYPE_Q8_0 || qtype == CLB_QTYPE_MXFP4) &&
+           rows > 0 && rows % 16 == 0 && cols > 0 && cols % 64 == 0;
 }
 
 int clb_x16_fast(void) { return clb_isa_get() == CLB_ISA_AVX512 && has_vnni(); }
 
 /* One tile of 16 rows: GGML rows g (row_nbytes rb apart) <-> X16 bytes x (16 rb). */
 static void x16_tile(int qtype, uint8_t *x, uint8_t *g, int64_t rb, int64_t nblk, int pack) {
-    const int64_t bb = qtype == CLB_QTYPE_Q4_0 ? 18 : 34, qb = 16 * (bb - 2);
+    const int64_t sb = qtype == CLB_QTYPE_MXFP4 ? 1 : 2; /* scale bytes: f16, or e8m0 */
+    const int64_t bb = qtype == CLB_QTYPE_Q4_0 ? 18 : qtype == CLB_QTYPE_MXFP4 ? 17 : 34;
+    const int64_t qb = 16 * (bb - sb);
     for (int64_t b = 0; b < nblk; b++) {
-        uint8_t *pp = x + (b / 2) * (64 + 2 * qb), *q = pp + 64 + (b & 1) * qb;
+        uint8_t *pp = x + (b / 2) * 32 * bb, *q = pp + 32 * sb + (b & 1) * qb;
         for (int j = 0; j < 16; j++) {
-            uint8_t *gb = g + j * rb + b * bb, *sc = pp + 32 * (b & 1) + 2 * j;
-            if (pack) memcpy(sc, gb, 2);
-            else memcpy(gb, sc, 2);
-            for (int64_t k = 0; k < (bb - 2) / 4; k++) {
-                if (pack) memcpy(q + 64 * k + 4 * j, gb + 2 + 4 * k, 4);
-                else memcpy(gb + 2 + 4 * k, q + 64 * k + 4 * j, 4);
+            uint8_t *gb = g + j * rb + b * bb, *sc = pp + 16 * sb * (b & 1) + sb * j;
+            if (pack) memcpy(sc, gb, sb);
+            else memcpy(gb, sc, sb);
+            for (int64_t k = 0; k < (bb - sb) / 4; k++) {
+                if (pack) memcpy(q + 64 * k + 4 * j, gb + sb + 4 * k, 4);
+                else memcpy(gb + sb + 4 * k, q + 64 * k + 4 * j, 4);
             }
         }
     }
@@ -220,6 +222,11 @@ void clb_x16_rows(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t rb
                   const uint8_t *xq, int64_t xrb, int64_t cols, int64_t n, int64_t r0, int64_t r1,
                   const float *bias, const float *scale, int accumulate) {
     const int fast = clb_x16_fast();
+    if (fast && qtype == CLB_QTYPE_MXFP4) {
+        clb_mxfp4_x16_rows_avx512vnni(qtype, y, ldy, w, rb, xq, xrb, cols, n, r0, r1, bias,
+                                      scale, accumulate);
+        return;
+    }
     if (fast && (n <= X16_VEC_MAX || !clb_amx_get())) { /* AMX: its tiles on unpacked rows */
         clb_mmq_x16_rows_avx512vnni(qtype, y, ldy, w, rb, xq, xrb, cols, n, r0, r1, bias, scale,
                                     accumulate);

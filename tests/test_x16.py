@@ -14,18 +14,19 @@ from colibri.model import Linear
 from tests.kernel_util import MATMUL_TOL, random_weights
 from tests.test_q8_activations import q8_reference
 
-QTYPES = [ops.QType.Q4_0, ops.QType.Q8_0]
+QTYPES = [ops.QType.Q4_0, ops.QType.Q8_0, ops.QType.MXFP4]
+BLOCK = {ops.QType.Q4_0: (18, 2), ops.QType.Q8_0: (34, 2), ops.QType.MXFP4: (17, 1)}
 
 
 def numpy_x16(w: np.ndarray, qt: ops.QType, cols: int) -> np.ndarray:
-    """The X16 layout built with numpy: per 16-row tile and pair of blocks, the 2 x 16 f16
-    scales, then per block G groups of (16 rows x 4 quant bytes)."""
+    """The X16 layout built with numpy: per 16-row tile and pair of blocks, the 2 x 16 scales
+    (f16, or MXFP4's e8m0 byte), then per block G groups of (16 rows x 4 quant bytes)."""
     rows, nb = w.shape[0], cols // 32
-    bb = 18 if qt == ops.QType.Q4_0 else 34
-    g = (bb - 2) // 4
+    bb, sb = BLOCK[qt]
+    g = (bb - sb) // 4
     t = w.reshape(rows // 16, 16, nb, bb)
-    sc = t[..., :2].transpose(0, 2, 1, 3).reshape(rows // 16, nb // 2, 64)
-    q = t[..., 2:].reshape(rows // 16, 16, nb, g, 4).transpose(0, 2, 3, 1, 4)
+    sc = t[..., :sb].transpose(0, 2, 1, 3).reshape(rows // 16, nb // 2, 32 * sb)
+    q = t[..., sb:].reshape(rows // 16, 16, nb, g, 4).transpose(0, 2, 3, 1, 4)
     q = q.reshape(rows // 16, nb // 2, 2 * g * 64)
     return np.concatenate([sc, q], axis=2).reshape(w.shape)
 
@@ -66,8 +67,9 @@ def test_matmul_q8_x16_bit_equal_to_rows(isa, qt, rows, cols):
             np.testing.assert_array_equal(got, want, err_msg=f"n={n} t={t}")
     y1 = ops.matmul_q8_x16(p, qt, xq[7], np.empty(rows, np.float32))
     np.testing.assert_array_equal(y1, got[7])
-    ref, mag = q8_reference(w, qt, x)
-    assert np.max(np.abs(got - ref) / mag) <= MATMUL_TOL
+    if qt != ops.QType.MXFP4:  # (MXFP4's matmul_q8 has its own reference tests)
+        ref, mag = q8_reference(w, qt, x)
+        assert np.max(np.abs(got - ref) / mag) <= MATMUL_TOL
 
 
 def test_x16_bad_arguments():
@@ -113,7 +115,9 @@ def test_linear_pack_keeps_bits(qt):
     assert not f32.pack_x16() and not f32.x16  # f32 activations keep GGML rows
 
 
-@pytest.mark.parametrize("qt,biases", [(ops.QType.Q4_0, False), (ops.QType.Q8_0, True)])
+@pytest.mark.parametrize(
+    "qt,biases", [(ops.QType.Q4_0, False), (ops.QType.Q8_0, True), (ops.QType.MXFP4, True)]
+)
 def test_expert_ffn_group_x16_bit_equal(isa, qt, biases):
     """Records whose gate, up and down are X16-packed (Model.x16_record) give
     expert_ffn_group's bits on the GGML records: experts of 1 to 17 rows (the packed tile
@@ -147,7 +151,7 @@ def test_expert_ffn_group_x16_bit_equal(isa, qt, biases):
         ops.expert_ffn_group(np.empty((n, d_model), np.float32), x, packed, *args, x16=True)
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("quant", ["q4_0", "q8_0", "mxfp4"])
 async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, quant):
     """A tiny Mixtral whose shapes have the X16 layout: with every record resident the engine
     packs its experts, LM head and attention projections where the CPU has the kernel, and

@@ -376,16 +376,16 @@ def matmul_q8(
     return out
 
 
-# ---- X16-packed weights (decode layout of a Q4_0 / Q8_0 matrix in RAM) --------------------
+# ---- X16-packed weights (decode layout of a Q4_0 / Q8_0 / MXFP4 matrix in RAM) -------------
 # Rows in tiles of 16 stored as the AVX-512 matvec reads them (colibri.h: clb_pack_x16): one
 # sequential stream of 64-byte loads with no shuffles. Tile-aligned row ranges keep their byte
 # ranges, so views of whole tiles stay packed matrices. matmul_q8_x16 gives matmul_q8's bits.
-X16_TYPES = frozenset({QType.Q4_0, QType.Q8_0})
+X16_TYPES = frozenset({QType.Q4_0, QType.Q8_0, QType.MXFP4})
 
 
 def x16_ok(qtype: QType | str | int, rows: int, cols: int) -> bool:
-    """True when a [rows, cols] matrix of `qtype` has the X16 layout: Q4_0 or Q8_0, rows a
-    multiple of 16, cols a multiple of 64."""
+    """True when a [rows, cols] matrix of `qtype` has the X16 layout: Q4_0, Q8_0 or MXFP4,
+    rows a multiple of 16, cols a multiple of 64."""
     return bool(lib.clb_x16_ok(int(QType.parse(qtype)), int(rows), int(cols)))
 
 
@@ -753,7 +753,7 @@ def expert_ffn_group(
     "down_bias" (f32); qtypes: (gate, up, down) storage types, the same for every record.
     One Python call for a layer's ready experts instead of one per expert (serve's batches
     run tens of experts a layer). x16: gate, up and down are X16-packed in every record
-    (pack_x16; act_q8, not q8k, Q4_0 / Q8_0 with x16_ok shapes), the same bits. Returns out.
+    (pack_x16; act_q8, not q8k, X16_TYPES with x16_ok shapes), the same bits. Returns out.
     Raises KernelError on bad shapes, spans that do not fit a record, or types the chosen path
     does not take."""
     qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
@@ -769,7 +769,7 @@ def expert_ffn_group(
         or not x16_ok(qts[1], d_ff, d_model)
         or not x16_ok(qts[2], d_model, d_ff)
     ):
-        raise KernelError(f"{what}: x16 needs act_q8, Q4_0 / Q8_0 and x16_ok shapes, got {qts}")
+        raise KernelError(f"{what}: x16 needs act_q8, X16_TYPES and x16_ok shapes, got {qts}")
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
     n, cols, rows = _rows_x(x, out, what)
     if x.ndim != 2 or cols != d_model or rows != d_model:
