@@ -108,18 +108,19 @@ class Linear:
         return out
 
     def pack_x16(self) -> bool:
-        """Repack W in place into the X16 layout (ops.pack_x16: the AVX-512 matvec's own
-        order, one sequential stream) when this Linear runs on Q8_0 activations, its shape
-        has the layout and this CPU has the kernel (ops.x16_fast); results keep their bits.
-        Only for Linears used through __call__ (W's bytes are no longer GGML rows). Returns
-        whether it packed."""
+        """Replace W by its X16 layout (ops.pack_x16: the AVX-512 matvec's own order, one
+        sequential stream) on huge pages (ops.empty_huge) when this Linear runs on Q8_0
+        activations, its shape has the layout and this CPU has the kernel (ops.x16_fast);
+        results keep their bits. Only for Linears used through __call__ (W's bytes are no
+        longer GGML rows; views of the old W keep the old bytes). Returns whether it packed."""
         w = self.w
         if not (self.act_q8 and not self.act_q8k and not self.x16 and ops.x16_fast()
                 and self.qtype in ops.X16_TYPES and ops.x16_ok(self.qtype, self.rows, self.cols)
                 and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
                 and w.flags.c_contiguous):  # fmt: skip
             return False
-        self.w = ops.pack_x16(w, self.qtype, self.cols, out=w if w.flags.writeable else None)
+        out = ops.empty_huge(w.nbytes).reshape(w.shape)  # (the old W goes: no second copy)
+        self.w = ops.pack_x16(w, self.qtype, self.cols, out=out)
         self.x16 = True
         return True
 
@@ -478,8 +479,10 @@ class Model:
             parts = [w[k] for k in ("q", "k", "v") if k in w]
             if "qkv" in w:  # the parts are views into it: pack it when they stay whole tiles
                 if all(p.rows % 16 == 0 for p in parts) and w["qkv"].pack_x16():
-                    for p in parts:
-                        p.x16 = True
+                    r = 0
+                    for p in parts:  # views of the packed rows (whole tiles: packed too)
+                        p.w, p.x16 = w["qkv"].w[r : r + p.rows], True
+                        r += p.rows
             else:
                 for p in parts:
                     p.pack_x16()

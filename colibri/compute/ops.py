@@ -7,9 +7,11 @@ Outputs are caller-allocated (`out=`), so hot paths allocate nothing.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
+import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -394,6 +396,23 @@ def x16_fast() -> bool:
     up to 15 x rows; elsewhere it unpacks tiles for the row-major kernels (slower than
     matmul_q8 on GGML rows: pack only where this is True)."""
     return bool(lib.clb_x16_fast())
+
+
+HUGE_PAGE = 2 << 20
+
+
+def empty_huge(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] on its own anonymous mapping, 2 MiB-aligned and advised for transparent
+    huge pages (madvise MADV_HUGEPAGE; refused: normal pages), for weights a kernel streams
+    (4 KiB pages stop the hardware prefetchers at every page and miss the TLB). The mapping
+    lives as long as the array (and its views)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # whole huge pages after aligning
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    a = np.frombuffer(m, dtype=np.uint8)
+    skip = -a.__array_interface__["data"][0] % HUGE_PAGE
+    return a[skip : skip + nbytes]
 
 
 def _x16_convert(fn, what: str, w: np.ndarray, qtype, cols: int, out) -> np.ndarray:
