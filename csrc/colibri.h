@@ -94,9 +94,9 @@ int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq,
  * cols of 64).
  * clb_pack_x16 / clb_unpack_x16: GGML rows <-> X16 bytes (dst may be src; CLB_EINVAL on a
  * shape without it or no memory for one tile). clb_matmul_q8_x16: clb_matmul_q8 on packed
- * weights, the same bits; on AVX512-VNNI (clb_x16_fast) one sequential stream per tile with
- * no shuffles for n <= 8, the GEMMs on the packed tiles above; elsewhere (and for AMX
- * batches) the row-major kernels on unpacked rows. */
+ * weights, the same bits; on AVX512-VNNI one sequential stream per tile with no shuffles for
+ * n <= 8, the GEMMs on the packed tiles above; elsewhere (and for AMX batches) the row-major
+ * kernels on unpacked rows. clb_x16_fast: whether packing pays here (AVX512-VNNI, AMX off). */
 int clb_x16_ok(int qtype, int64_t rows, int64_t cols);
 int clb_x16_fast(void);
 int clb_pack_x16(int qtype, void *dst, const void *src, int64_t rows, int64_t cols);

@@ -145,7 +145,12 @@ int clb_x16_ok(int qtype, int64_t rows, int64_t cols) {
            rows > 0 && rows % 16 == 0 && cols > 0 && cols % 64 == 0;
 }
 
-int clb_x16_fast(void) { return clb_isa_get() == CLB_ISA_AVX512 && has_vnni(); }
+/* The X16 kernels (arch/ AVX512-VNNI) run at this level. */
+static int x16_vnni(void) { return clb_isa_get() == CLB_ISA_AVX512 && has_vnni(); }
+
+/* Whether packing pays: the X16 kernels run, and no AMX takes the batches (its tiles read GGML
+ * rows: packed weights would be unpacked for every prefill call). */
+int clb_x16_fast(void) { return x16_vnni() && !clb_amx_get(); }
 
 /* One tile of 16 rows: GGML rows g (row_nbytes rb apart) <-> X16 bytes x (16 rb). */
 static void x16_tile(int qtype, uint8_t *x, uint8_t *g, int64_t rb, int64_t nblk, int pack) {
@@ -221,7 +226,7 @@ struct x16_job {
 void clb_x16_rows(int qtype, float *y, int64_t ldy, const uint8_t *w, int64_t rb,
                   const uint8_t *xq, int64_t xrb, int64_t cols, int64_t n, int64_t r0, int64_t r1,
                   const float *bias, const float *scale, int accumulate) {
-    const int fast = clb_x16_fast();
+    const int fast = x16_vnni();
     if (fast && qtype == CLB_QTYPE_MXFP4) {
         clb_mxfp4_x16_rows_avx512vnni(qtype, y, ldy, w, rb, xq, xrb, cols, n, r0, r1, bias,
                                       scale, accumulate);

@@ -392,9 +392,10 @@ def x16_ok(qtype: QType | str | int, rows: int, cols: int) -> bool:
 
 
 def x16_fast() -> bool:
-    """True when matmul_q8_x16 runs its own kernel (AVX512-VNNI at the current ISA level) for
-    up to 15 x rows; elsewhere it unpacks tiles for the row-major kernels (slower than
-    matmul_q8 on GGML rows: pack only where this is True)."""
+    """True when packing pays: matmul_q8_x16 runs its own kernels (AVX512-VNNI at the current
+    ISA level) and AMX does not take the batches (its tiles read GGML rows). Elsewhere it
+    unpacks tiles for the row-major kernels, slower than matmul_q8 on GGML rows: the model
+    packs only where this is True."""
     return bool(lib.clb_x16_fast())
 
 
