@@ -178,10 +178,13 @@ static int x16_convert(int qtype, void *dst, const void *src, int64_t rows, int6
     const int64_t rb = clb_row_nbytes(qtype, cols), nblk = cols / QK;
     uint8_t *tmp = malloc(16 * rb); /* the tile's source: dst may be src */
     if (!tmp) return CLB_EINVAL;
+    const int simd = x16_vnni();
     for (int64_t t = 0; t < rows / 16; t++) {
         uint8_t *d = (uint8_t *)dst + t * 16 * rb;
         memcpy(tmp, (const uint8_t *)src + t * 16 * rb, 16 * rb);
-        if (pack) x16_tile(qtype, d, tmp, rb, nblk, 1);
+        if (pack && simd) clb_x16_pack_avx512vnni(qtype, d, tmp, rb, nblk, 1);
+        else if (pack) x16_tile(qtype, d, tmp, rb, nblk, 1);
+        else if (simd) clb_x16_unpack_avx512vnni(qtype, d, tmp, rb, nblk, 1);
         else x16_tile(qtype, tmp, d, rb, nblk, 0);
     }
     free(tmp);

@@ -107,6 +107,8 @@ CLB_DECLARE_MMQ(clb_mmq_x16_rows_avx512vnni)
 CLB_DECLARE_MMQ(clb_mxfp4_x16_rows_avx512vnni) /* MXFP4 (arch/matmul_mxfp4.inc) */
 void clb_x16_unpack_avx512vnni(int qtype, uint8_t *dst, const uint8_t *src, int64_t row_nbytes,
                                int64_t nblk, int64_t ntiles);
+void clb_x16_pack_avx512vnni(int qtype, uint8_t *dst, const uint8_t *src, int64_t row_nbytes,
+                             int64_t nblk, int64_t ntiles);
 /* clb_mmq_rows_fn on X16-packed weights at any ISA level and batch (matmul.c): the kernel
  * above where it runs, else tiles unpacked for clb_mmq_rows_for(qtype); r0, r1 on tile bounds. */
 CLB_DECLARE_MMQ(clb_x16_rows)
