@@ -370,6 +370,13 @@ class Engine:
                 f"much memory ({getattr(exc, 'strerror', None) or exc}); give a smaller --budget"
             ) from None
         self.pool, self.reader, self.cache = self.io.pool, self.io.reader, self.io.cache
+        if (
+            options.cluster is None
+            and self.pool.num_slots >= len(store.records)
+            and self.model.x16_experts_ok()
+        ):  # every record stays resident once read: pack each once for the decode matvec
+            self.cache.transform = self.model.x16_record
+            self.model.x16_experts = True
         self.prefetcher = self.io.prefetcher
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
         self.cluster: Any = None

@@ -16,8 +16,8 @@ import numpy as np
 
 from colibri.compute import deltanet, dsv4, moe, ops
 from colibri.compute.ops import QType
-from colibri.errors import StoreError
-from colibri.io.format import ExpertLayout, Store
+from colibri.errors import KernelError, StoreError
+from colibri.io.format import ExpertLayout, ExpertRecord, Store
 from colibri.models.spec import GEMMA_NORMS, AttentionSpec, LayerSpec, ModelSpec
 
 _F32 = QType.parse("f32")
@@ -61,6 +61,7 @@ class Linear:
     pad: run the kernel on x padded with zero rows to a multiple of `pad` rows (1: never)."""
 
     pad = 1
+    x16 = False  # w holds X16-packed bytes (pack_x16): matmul_q8_x16, same bits
 
     def __init__(
         self,
@@ -103,6 +104,8 @@ class Linear:
             out = np.empty((x.shape[0], self.rows), dtype=np.float32)
         if self.act_q8k:
             ops.matmul_q8k(self.w, self.qtype, ops.quantize_q8_k(x), out, nthreads=nthreads)
+        elif self.x16:
+            ops.matmul_q8_x16(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
         elif self.act_q8:
             ops.matmul_q8(self.w, self.qtype, ops.quantize_act(x), out, nthreads=nthreads)
         else:
@@ -110,6 +113,23 @@ class Linear:
         if self.bias is not None:
             out += self.bias
         return out
+
+    def pack_x16(self) -> bool:
+        """Replace W by its X16 layout (ops.pack_x16: the AVX-512 matvec's own order, one
+        sequential stream) on huge pages (ops.empty_huge) when this Linear runs on Q8_0
+        activations, its shape has the layout and this CPU has the kernel (ops.x16_fast);
+        results keep their bits. Only for Linears used through __call__ (W's bytes are no
+        longer GGML rows; views of the old W keep the old bytes). Returns whether it packed."""
+        w = self.w
+        if not (self.act_q8 and not self.act_q8k and not self.x16 and ops.x16_fast()
+                and self.qtype in ops.X16_TYPES and ops.x16_ok(self.qtype, self.rows, self.cols)
+                and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
+                and w.flags.c_contiguous):  # fmt: skip
+            return False
+        out = ops.empty_huge(w.nbytes).reshape(w.shape)  # (the old W goes: no second copy)
+        self.w = ops.pack_x16(w, self.qtype, self.cols, out=out)
+        self.x16 = True
+        return True
 
 
 def _rows_exact(lin: Linear) -> bool:
@@ -127,6 +147,7 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     same = all(
         p.qtype == p0.qtype and p.cols == p0.cols and p.act_q8 == p0.act_q8 and
         p.act_q8k == p0.act_q8k and (p.bias is None) == (p0.bias is None) and
+        p.x16 == p0.x16 and
         p.w.ndim == p0.w.ndim and p.w.shape[1:] == p0.w.shape[1:]
         for p in parts
     )  # fmt: skip
@@ -135,7 +156,7 @@ def _fuse(parts: tuple[Linear, ...]) -> Linear | None:
     w = np.ascontiguousarray(np.concatenate([p.w for p in parts]))
     bias = None if p0.bias is None else np.concatenate([p.bias for p in parts])
     fused = Linear(w, p0.qtype, sum(p.rows for p in parts), p0.cols, bias, p0.act_q8, p0.act_q8k)
-    fused.pad = p0.pad
+    fused.pad, fused.x16 = p0.pad, p0.x16
     r = 0
     for p in parts:
         p.w, p.bias = w[r : r + p.rows], None if bias is None else bias[r : r + p.rows]
@@ -433,6 +454,9 @@ class Model:
             for key in [None, *store.moe_layers]
         }
         self.expert_qtype = self._experts[None][1][0]  # the default layout's gate type
+        # records reach expert_ffn(_group) X16-packed (x16_record, run by the engine's cache
+        # on each read when every record stays resident)
+        self.x16_experts = False
 
     # ---- loading -------------------------------------------------------------------------
     def _load_dense(self) -> None:
@@ -446,6 +470,7 @@ class Model:
         self.lm_head = self._linear(spec.lm_head, spec.vocab_size, spec.d_model)
         self.ple = self._load_ple() if spec.per_layer_input is not None else None
         self.layers = [self._load_layer(layer) for layer in spec.layers]
+        self._pack_x16()
         if spec.hc is not None:  # DeepSeek-V4's hyper-connection head
             N = spec.hc.hc_mult
             self.hc_head = (
@@ -453,6 +478,29 @@ class Model:
                 self._vector(spec.hc.head_base, N),
                 self._vector(spec.hc.head_scale, 1),
             )
+
+    def _pack_x16(self) -> None:
+        """The decode layout (Linear.pack_x16) for the LM head and the projections of plain
+        attention layers (q, k, v fused or not, o), the dense weights every token streams from
+        memory; other Linears keep GGML rows (some are read as rows: MLA's kv_b, shared
+        experts)."""
+        self.lm_head.pack_x16()
+        for spec, w in zip(self.spec.layers, self.layers, strict=True):
+            a = spec.attention
+            if spec.linear_attn is not None or a.shared_kv is not None or a.mla is not None:
+                continue
+            parts = [w[k] for k in ("q", "k", "v") if k in w]
+            if "qkv" in w:  # the parts are views into it: pack it when they stay whole tiles
+                if all(p.rows % 16 == 0 for p in parts) and w["qkv"].pack_x16():
+                    r = 0
+                    for p in parts:  # views of the packed rows (whole tiles: packed too)
+                        p.w, p.x16 = w["qkv"].w[r : r + p.rows], True
+                        r += p.rows
+            else:
+                for p in parts:
+                    p.pack_x16()
+            if isinstance(w.get("o"), Linear):
+                w["o"].pack_x16()
 
     def _expert_plan(
         self, layout: ExpertLayout
@@ -1679,6 +1727,14 @@ class Model:
         if m_rows % self.pad and not (act_q8 and all(q in ROW_INVARIANT_QTYPES for q in qts)):
             x = pad_rows(np.ascontiguousarray(x), self.pad)
             weights = pad_rows(np.ascontiguousarray(weights, dtype=np.float32), self.pad)
+        if self.x16_experts:  # packed records: the group kernel on this one (same bits)
+            return ops.expert_ffn_group(
+                np.empty((m_rows, self.spec.d_model), dtype=np.float32),
+                np.ascontiguousarray(x, dtype=np.float32), [record], spans, qts,
+                np.array([0, m_rows], np.int64), self.spec.d_model, self.d_ff, act=m.act,
+                row_weight=np.ascontiguousarray(weights, dtype=np.float32), alpha=m.alpha,
+                limit=m.limit, act_q8=True, nthreads=self.nthreads, x16=True,
+            )  # fmt: skip
         y = np.empty((x.shape[0], self.spec.d_model), dtype=np.float32)
         bias = {
             n: part[n].view(np.float32) if n in part else None
@@ -1714,6 +1770,37 @@ class Model:
             qtypes=qts if len(set(qts)) > 1 else None,
         )
         return y[:m_rows]
+
+    def _x16_shapes(self, layer: int | None) -> list[tuple[str, QType, int, int]] | None:
+        """(tensor, type, rows, cols) of gate, up, down of layer `layer`'s records when they
+        have the X16 layout and Q8_0 activations run them (else None)."""
+        _, qts, act_q8 = self._experts.get(layer, self._experts[None])
+        d, f = self.spec.d_model, self.d_ff
+        shapes = [("gate", qts[0], f, d), ("up", qts[1], f, d), ("down", qts[2], d, f)]
+        if not act_q8:  # (Q8_K activations take K-quants only: never these types)
+            return None
+        ok = all(q in ops.X16_TYPES and ops.x16_ok(q, r, c) for _, q, r, c in shapes)
+        return shapes if ok else None
+
+    def x16_experts_ok(self) -> bool:
+        """True when every layer's expert records can run X16-packed (x16_record): Q4_0 / Q8_0
+        gate, up, down on Q8_0 activations with X16 shapes, on a CPU with the kernel."""
+        return ops.x16_fast() and all(self._x16_shapes(k) is not None for k in self._experts)
+
+    def x16_record(self, record: ExpertRecord, buf: np.ndarray) -> None:
+        """Repack a freshly read expert record's gate, up and down in place (buf: uint8, the
+        record's bytes in its slab slot) into the X16 layout (ops.pack_x16), which
+        expert_ffn(_group) read when x16_experts is set: one sequential stream per 16-row
+        tile for the decode matvec, the same bits. Raises KernelError on a layout without
+        it (x16_experts_ok is False)."""
+        spans = self._experts.get(record.layer, self._experts[None])[0]
+        shapes = self._x16_shapes(record.layer)
+        if shapes is None:
+            raise KernelError(f"layer {record.layer}: expert records have no X16 layout")
+        for name, qt, rows, cols in shapes:
+            o, nb = spans[name]
+            v = buf[o : o + nb].reshape(rows, nb // rows)
+            ops.pack_x16(v, qt, cols, out=v)
 
     def expert_group_ok(self, layer: int | None) -> bool:
         """True when expert_ffn_group can run layer `layer`'s experts: row-invariant kernels
@@ -1751,7 +1838,7 @@ class Model:
             y, np.ascontiguousarray(h, dtype=np.float32), records, spans, qts, row_off,
             self.spec.d_model, self.d_ff, act=m.act,
             row_weight=np.ascontiguousarray(weights, dtype=np.float32), alpha=m.alpha,
-            limit=m.limit, act_q8=act_q8, q8k=q8k, nthreads=self.nthreads,
+            limit=m.limit, act_q8=act_q8, q8k=q8k, nthreads=self.nthreads, x16=self.x16_experts,
         )  # fmt: skip
 
     def logits(self, x: np.ndarray) -> np.ndarray:

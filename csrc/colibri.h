@@ -84,6 +84,26 @@ int clb_matmul(int qtype, float *y, const void *w, const float *x,
 int clb_matmul_q8(int qtype, float *y, const void *w, const void *xq,
                   int64_t rows, int64_t cols, int64_t n, int nthreads);
 
+/* ---- X16-packed weights (matmul.c, arch/matmul_q8.inc, arch/matmul_mxfp4.inc) --------
+ * The decode layout of a Q4_0 / Q8_0 / MXFP4 matrix held in RAM: rows in tiles of 16 (a tile
+ * keeps its 16 rows' bytes, 16 row_nbytes, so tile-aligned row ranges are the same byte ranges
+ * as in GGML rows), each tile stored as the AVX-512 matvec reads it: per pair of blocks the
+ * 2 x 16 scales (f16, MXFP4 e8m0: block 2p's rows 0..15, then block 2p+1's), then per block
+ * the quant bytes in groups k (Q4_0, MXFP4: 4, Q8_0: 8) of 64 bytes, dword j = row j's quant
+ * bytes 4k..4k+3. clb_x16_ok: the shapes that have it (those types, rows a multiple of 16,
+ * cols of 64).
+ * clb_pack_x16 / clb_unpack_x16: GGML rows <-> X16 bytes (dst may be src; CLB_EINVAL on a
+ * shape without it or no memory for one tile). clb_matmul_q8_x16: clb_matmul_q8 on packed
+ * weights, the same bits; on AVX512-VNNI one sequential stream per tile with no shuffles for
+ * n <= 8, the GEMMs on the packed tiles above; elsewhere (and for AMX batches) the row-major
+ * kernels on unpacked rows. clb_x16_fast: whether packing pays here (AVX512-VNNI, AMX off). */
+int clb_x16_ok(int qtype, int64_t rows, int64_t cols);
+int clb_x16_fast(void);
+int clb_pack_x16(int qtype, void *dst, const void *src, int64_t rows, int64_t cols);
+int clb_unpack_x16(int qtype, void *dst, const void *src, int64_t rows, int64_t cols);
+int clb_matmul_q8_x16(int qtype, float *y, const void *w, const void *xq,
+                      int64_t rows, int64_t cols, int64_t n, int nthreads);
+
 /* ---- fused expert FFN (ffn.c) -----------------------------------------------------------
  * For each of n token rows: h = act(gate x + gate_bias, up x + up_bias)   [d_ff]
  *                           o = down h + down_bias                        [d_model]
@@ -116,8 +136,10 @@ int clb_expert_ffn_mixed(int gate_qtype, int up_qtype, int down_qtype, float *y,
  * down[e]: expert e's tensors (all experts in the same qt_g / qt_u / qt_d); the bias arrays
  * are NULL or hold one nullable pointer per expert; row_weight f32 [row_off[n_experts]],
  * nullable. scratch and qscratch are sized for the largest expert's row count. Experts run
- * one after another (each over the thread pool); the first error is returned. */
-int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, float *y,
+ * one after another (each over the thread pool); the first error is returned. x16 = 1: every
+ * tensor is X16-packed (clb_pack_x16; q8k = 0, qscratch given, clb_x16_ok shapes, else
+ * CLB_EINVAL), the same bits as on GGML rows. */
+int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, int x16, float *y,
                          float *scratch, const float *x, const void *const *gate,
                          const void *const *up, const void *const *down,
                          const float *const *gate_bias, const float *const *up_bias,

@@ -66,7 +66,7 @@ struct ffn_job {
     int qt_g, qt_u, qt_d;
     uint8_t *xq, *hq; /* Q8_0 [n, xrb_model] / [n, xrb_ff], or NULL for f32 activations */
     int64_t xrb_model, xrb_ff;
-    int act, accumulate;
+    int act, accumulate, x16; /* x16: gate, up, down X16-packed (Q8_0 activations only) */
     float alpha, limit;
     float *y, *g, *u;  /* y [n, d_model]; g, u [n, d_ff] (h overwrites g) */
     const float *x, *gate_bias, *up_bias, *down_bias, *row_weight;
@@ -78,7 +78,7 @@ struct ffn_job {
 static void ffn_up_chunk(void *ctx, int64_t c) {
     const struct ffn_job *j = ctx;
     const int64_t f0 = c * j->ch_ff, f1 = f0 + j->ch_ff < j->d_ff ? f0 + j->ch_ff : j->d_ff;
-    if (j->xq) {
+    if (j->xq) { /* (qfn_* are clb_x16_rows for X16-packed tensors) */
         j->qfn_g(j->qt_g, j->g, j->d_ff, j->gate, j->rb_g, j->xq, j->xrb_model, j->d_model,
                  j->n, f0, f1, j->gate_bias, NULL, 0);
         j->qfn_u(j->qt_u, j->u, j->d_ff, j->up, j->rb_u, j->xq, j->xrb_model, j->d_model,
@@ -121,12 +121,30 @@ int clb_expert_ffn(int qtype, float *y, float *scratch, const float *x, const vo
                                 limit, accumulate, qscratch, nthreads);
 }
 
+static int ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,
+                     const void *gate, const void *up, const void *down, const float *gate_bias,
+                     const float *up_bias, const float *down_bias, const float *row_weight,
+                     int64_t n, int64_t d_model, int64_t d_ff, int act, float alpha, float limit,
+                     int accumulate, void *qscratch, int x16, int nthreads);
+
 int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,
                          const void *gate, const void *up, const void *down,
                          const float *gate_bias, const float *up_bias, const float *down_bias,
                          const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
                          int act, float alpha, float limit, int accumulate, void *qscratch,
                          int nthreads) {
+    return ffn_mixed(qt_g, qt_u, qt_d, y, scratch, x, gate, up, down, gate_bias, up_bias,
+                     down_bias, row_weight, n, d_model, d_ff, act, alpha, limit, accumulate,
+                     qscratch, 0, nthreads);
+}
+
+/* x16: the three tensors are X16-packed (clb_pack_x16): Q8_0 activations, Q4_0 / Q8_0 with
+ * clb_x16_ok shapes (else CLB_EINVAL); the same bits as on GGML rows. */
+static int ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,
+                     const void *gate, const void *up, const void *down, const float *gate_bias,
+                     const float *up_bias, const float *down_bias, const float *row_weight,
+                     int64_t n, int64_t d_model, int64_t d_ff, int act, float alpha, float limit,
+                     int accumulate, void *qscratch, int x16, int nthreads) {
     const int64_t rb_g = clb_row_nbytes(qt_g, d_model), rb_u = clb_row_nbytes(qt_u, d_model);
     const int64_t rb_d = clb_row_nbytes(qt_d, d_ff);
     if (rb_g < 0) return (int)rb_g;
@@ -139,6 +157,9 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
                      !clb_q8_act_supported(qt_d)))
         return CLB_EQTYPE;
     if (qscratch && (d_model % QK || d_ff % QK)) return CLB_EBLOCK;
+    if (x16 && (!qscratch || !clb_x16_ok(qt_g, d_ff, d_model) ||
+                !clb_x16_ok(qt_u, d_ff, d_model) || !clb_x16_ok(qt_d, d_model, d_ff)))
+        return CLB_EINVAL;
     if (!y || !scratch || !x || !gate || !up || !down) return CLB_EINVAL;
     const int nt = clb_threads_for(nthreads, (d_ff * (rb_g + rb_u) + d_model * rb_d) * ((n + 3) / 4), d_ff);
     const int64_t xrb_model = clb_row_nbytes(CLB_QTYPE_Q8_0, d_model);
@@ -153,10 +174,11 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
     }
     const struct ffn_job j = {
         .fn_g = clb_mm_rows_for(qt_g), .fn_u = clb_mm_rows_for(qt_u), .fn_d = clb_mm_rows_for(qt_d),
-        .qfn_g = clb_mmq_rows_for(qt_g), .qfn_u = clb_mmq_rows_for(qt_u),
-        .qfn_d = clb_mmq_rows_for(qt_d), .qt_g = qt_g, .qt_u = qt_u, .qt_d = qt_d,
+        .qfn_g = x16 ? clb_x16_rows : clb_mmq_rows_for(qt_g),
+        .qfn_u = x16 ? clb_x16_rows : clb_mmq_rows_for(qt_u),
+        .qfn_d = x16 ? clb_x16_rows : clb_mmq_rows_for(qt_d), .qt_g = qt_g, .qt_u = qt_u, .qt_d = qt_d,
         .xq = xq, .hq = hq, .xrb_model = xrb_model, .xrb_ff = xrb_ff, .act = act,
-        .accumulate = accumulate, .alpha = alpha, .limit = limit, .y = y, .g = scratch,
+        .accumulate = accumulate, .x16 = x16, .alpha = alpha, .limit = limit, .y = y, .g = scratch,
         .u = scratch + n * d_ff, .x = x, .gate_bias = gate_bias, .up_bias = up_bias,
         .down_bias = down_bias, .row_weight = row_weight, .gate = gate, .up = up, .down = down,
         .n = n, .d_model = d_model, .d_ff = d_ff, .rb_g = rb_g, .rb_u = rb_u, .rb_d = rb_d,
@@ -167,14 +189,14 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
     return CLB_OK;
 }
 
-int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, float *y,
-                         float *scratch, const float *x, const void *const *gate,
+int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, int x16,
+                         float *y, float *scratch, const float *x, const void *const *gate,
                          const void *const *up, const void *const *down,
                          const float *const *gate_bias, const float *const *up_bias,
                          const float *const *down_bias, const float *row_weight,
                          const int64_t *row_off, int64_t d_model, int64_t d_ff, int act,
                          float alpha, float limit, void *qscratch, int nthreads) {
-    if (n_experts < 0 || !row_off) return CLB_EINVAL;
+    if (n_experts < 0 || !row_off || (q8k && x16)) return CLB_EINVAL;
     if (n_experts == 0) return CLB_OK;
     if (!gate || !up || !down) return CLB_EINVAL;
     for (int e = 0; e < n_experts; e++)
@@ -188,10 +210,9 @@ int clb_expert_ffn_group(int n_experts, int qt_g, int qt_u, int qt_d, int q8k, f
         int rc = q8k ? clb_expert_ffn_q8k(qt_g, qt_u, qt_d, y + r0 * d_model, scratch,
                                           x + r0 * d_model, gate[e], up[e], down[e], gb, ub, db,
                                           rw, n, d_model, d_ff, act, alpha, limit, 0, nthreads)
-                     : clb_expert_ffn_mixed(qt_g, qt_u, qt_d, y + r0 * d_model, scratch,
-                                            x + r0 * d_model, gate[e], up[e], down[e], gb, ub,
-                                            db, rw, n, d_model, d_ff, act, alpha, limit, 0,
-                                            qscratch, nthreads);
+                     : ffn_mixed(qt_g, qt_u, qt_d, y + r0 * d_model, scratch,
+                                 x + r0 * d_model, gate[e], up[e], down[e], gb, ub, db, rw, n,
+                                 d_model, d_ff, act, alpha, limit, 0, qscratch, x16, nthreads);
         if (rc) return rc;
     }
     return CLB_OK;

@@ -100,6 +100,19 @@ CLB_DECLARE_MMQ(clb_mmq_rows_avx512)
 CLB_DECLARE_MMQ(clb_mmq_rows_avx512vnni) /* same bits as the others (AVX512-VNNI vpdpbusd) */
 clb_mmq_rows_fn clb_mmq_rows_for_isa(void);
 
+/* X16-packed Q4_0 / Q8_0 / MXFP4 weights (clb_pack_x16, colibri.h), AVX512-VNNI: the rows kernels for
+ * any n (r0, r1 multiples of 16; same bits as the row-major kernels), and tiles back to GGML
+ * rows. */
+CLB_DECLARE_MMQ(clb_mmq_x16_rows_avx512vnni)
+CLB_DECLARE_MMQ(clb_mxfp4_x16_rows_avx512vnni) /* MXFP4 (arch/matmul_mxfp4.inc) */
+void clb_x16_unpack_avx512vnni(int qtype, uint8_t *dst, const uint8_t *src, int64_t row_nbytes,
+                               int64_t nblk, int64_t ntiles);
+void clb_x16_pack_avx512vnni(int qtype, uint8_t *dst, const uint8_t *src, int64_t row_nbytes,
+                             int64_t nblk, int64_t ntiles);
+/* clb_mmq_rows_fn on X16-packed weights at any ISA level and batch (matmul.c): the kernel
+ * above where it runs, else tiles unpacked for clb_mmq_rows_for(qtype); r0, r1 on tile bounds. */
+CLB_DECLARE_MMQ(clb_x16_rows)
+
 /* nblk Q8_0 blocks from 32 * nblk floats, on the calling thread, at the current ISA level;
  * every variant gives clb_quantize's (and gguf's) exact bytes. */
 void clb_quantize_q8_0_blocks(void *out, const float *x, int64_t nblk);

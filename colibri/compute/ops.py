@@ -7,9 +7,11 @@ Outputs are caller-allocated (`out=`), so hot paths allocate nothing.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
+import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -376,6 +378,91 @@ def matmul_q8(
     return out
 
 
+# ---- X16-packed weights (decode layout of a Q4_0 / Q8_0 / MXFP4 matrix in RAM) -------------
+# Rows in tiles of 16 stored as the AVX-512 matvec reads them (colibri.h: clb_pack_x16): one
+# sequential stream of 64-byte loads with no shuffles. Tile-aligned row ranges keep their byte
+# ranges, so views of whole tiles stay packed matrices. matmul_q8_x16 gives matmul_q8's bits.
+X16_TYPES = frozenset({QType.Q4_0, QType.Q8_0, QType.MXFP4})
+
+
+def x16_ok(qtype: QType | str | int, rows: int, cols: int) -> bool:
+    """True when a [rows, cols] matrix of `qtype` has the X16 layout: Q4_0, Q8_0 or MXFP4,
+    rows a multiple of 16, cols a multiple of 64."""
+    return bool(lib.clb_x16_ok(int(QType.parse(qtype)), int(rows), int(cols)))
+
+
+def x16_fast() -> bool:
+    """True when packing pays: matmul_q8_x16 runs its own kernels (AVX512-VNNI at the current
+    ISA level) and AMX does not take the batches (its tiles read GGML rows). Elsewhere it
+    unpacks tiles for the row-major kernels, slower than matmul_q8 on GGML rows: the model
+    packs only where this is True."""
+    return bool(lib.clb_x16_fast())
+
+
+HUGE_PAGE = 2 << 20
+
+
+def empty_huge(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] on its own anonymous mapping, 2 MiB-aligned and advised for transparent
+    huge pages (madvise MADV_HUGEPAGE; refused: normal pages), for weights a kernel streams
+    (4 KiB pages stop the hardware prefetchers at every page and miss the TLB). The mapping
+    lives as long as the array (and its views)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # whole huge pages after aligning
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    a = np.frombuffer(m, dtype=np.uint8)
+    skip = -a.__array_interface__["data"][0] % HUGE_PAGE
+    return a[skip : skip + nbytes]
+
+
+def _x16_convert(fn, what: str, w: np.ndarray, qtype, cols: int, out) -> np.ndarray:
+    qt = QType.parse(qtype)
+    if not (isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
+            and w.flags.c_contiguous):  # fmt: skip
+        raise KernelError(f"{what}: w must be a C-contiguous uint8 [rows, row_nbytes] array")
+    rows = w.shape[0]
+    if not x16_ok(qt, rows, cols) or w.shape[1] != _row_nbytes(qt, cols):
+        raise KernelError(f"{what}: {qt.name} [{rows}, {cols}] ({w.shape}) has no X16 layout")
+    if out is None:
+        out = np.empty_like(w)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.shape == w.shape
+              and out.flags.c_contiguous and out.flags.writeable):  # fmt: skip
+        raise KernelError(f"{what}: out must be a writable C-contiguous uint8 {w.shape} array")
+    _check(fn(int(qt), ffi.from_buffer(out), ffi.from_buffer(w), rows, cols), what)
+    return out
+
+
+def pack_x16(
+    w: np.ndarray, qtype: QType | str | int, cols: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """GGML rows w uint8 [rows, row_nbytes(qtype, cols)] -> the same bytes in the X16 layout
+    (a new array, or `out`, which may be w itself: packed in place). Raises KernelError when
+    x16_ok(qtype, rows, cols) is False or an array is wrong."""
+    return _x16_convert(lib.clb_pack_x16, "pack_x16", w, qtype, cols, out)
+
+
+def unpack_x16(
+    w: np.ndarray, qtype: QType | str | int, cols: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The inverse of pack_x16 (X16 bytes -> GGML rows); same arguments and errors."""
+    return _x16_convert(lib.clb_unpack_x16, "unpack_x16", w, qtype, cols, out)
+
+
+def matmul_q8_x16(
+    w: np.ndarray, qtype: QType | str | int, xq: np.ndarray, out: np.ndarray, nthreads: int = 0
+) -> np.ndarray:
+    """matmul_q8 on X16-packed weights (pack_x16): out[n, rows] = xq[n, cols] @ W^T, the same
+    bits as matmul_q8 on the GGML rows. w uint8 [rows, row_nbytes]; xq, out as matmul_q8.
+    Raises KernelError on a shape without the X16 layout or any mismatch."""
+    qt = qtype if type(qtype) is QType else QType.parse(qtype)
+    n, cols, rows = _matmul_act_args("matmul_q8_x16", w, qt, X16_TYPES, xq, out, "Q8_0", 34, 32)
+    rc = lib.clb_matmul_q8_x16(qt, _fp(out), ffi.from_buffer(w), _ptr(xq), rows, cols, n, nthreads)
+    if rc:
+        _check(rc, f"matmul_q8_x16({qt.name}, rows={rows}, cols={cols}, n={n})")
+    return out
+
+
 # Weight types with a GEMM on Q8_K activations (matmul_q8k).
 Q8K_ACT_TYPES = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 Q8K_BLOCK_NBYTES = 292  # ggml's block_q8_K: f32 d, 256 int8, 16 int16 sums
@@ -673,6 +760,7 @@ def expert_ffn_group(
     act_q8: bool = False,
     q8k: bool = False,
     nthreads: int = 0,
+    x16: bool = False,
 ) -> np.ndarray:
     """Several experts of one layer in one kernel call (clb_expert_ffn_group): expert e, whose
     record is records[e] (uint8 buffers, e.g. slab slots), runs on the rows
@@ -684,14 +772,24 @@ def expert_ffn_group(
     every record, for "gate", "up", "down" and optionally "gate_bias", "up_bias",
     "down_bias" (f32); qtypes: (gate, up, down) storage types, the same for every record.
     One Python call for a layer's ready experts instead of one per expert (serve's batches
-    run tens of experts a layer). Returns out. Raises KernelError on bad shapes, spans that
-    do not fit a record, or types the chosen path does not take."""
+    run tens of experts a layer). x16: gate, up and down are X16-packed in every record
+    (pack_x16; act_q8, not q8k, X16_TYPES with x16_ok shapes), the same bits. Returns out.
+    Raises KernelError on bad shapes, spans that do not fit a record, or types the chosen path
+    does not take."""
     qts = tuple(q if type(q) is QType else QType.parse(q) for q in qtypes)
     what = "expert_ffn_group"
     if q8k and (len(qts) != 3 or any(q not in Q8K_ACT_TYPES for q in qts)):
         raise KernelError(f"{what}: q8k needs Q4_K, Q5_K or Q6_K gate/up/down, got {qts}")
     if len(qts) != 3:
         raise KernelError(f"{what}: qtypes must be (gate, up, down), got {len(qts)} types")
+    if x16 and (
+        q8k
+        or not act_q8
+        or not x16_ok(qts[0], d_ff, d_model)
+        or not x16_ok(qts[1], d_ff, d_model)
+        or not x16_ok(qts[2], d_model, d_ff)
+    ):
+        raise KernelError(f"{what}: x16 needs act_q8, X16_TYPES and x16_ok shapes, got {qts}")
     a = act if type(act) is Act else Act[act.upper()] if isinstance(act, str) else Act(act)
     n, cols, rows = _rows_x(x, out, what)
     if x.ndim != 2 or cols != d_model or rows != d_model:
@@ -741,7 +839,7 @@ def expert_ffn_group(
     if act_q8 and not q8k:
         scratch, qs = _ffn_scratch(scratch, True, qts, max(m, 1), d_model, d_ff)
     rc = lib.clb_expert_ffn_group(
-        len(records), *qts, bool(q8k), _fp(out), _fp(scratch), _fp(x),
+        len(records), *qts, bool(q8k), bool(x16), _fp(out), _fp(scratch), _fp(x),
         ffi.new("void *[]", ptrs["gate"]), ffi.new("void *[]", ptrs["up"]),
         ffi.new("void *[]", ptrs["down"]), *biases, _fp(row_weight),
         ffi.cast("int64_t *", ffi.from_buffer(row_off)), d_model, d_ff, a, alpha, limit, qs,

@@ -537,6 +537,10 @@ class ExpertCache:
         self._prefetch_in_flight = 0
         self.usage: collections.Counter[Key] = collections.Counter()
         self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
+        # transform(record, bytes): the owner's rewrite of each freshly read (and verified)
+        # record in its slot before anyone gets it, off the event loop (the engine's: the
+        # model's decode layout of resident experts, Model.x16_record); io/ computes nothing
+        self.transform: Callable[[ExpertRecord, Any], None] | None = None
         self._n = collections.Counter()
         self._verify_seconds = 0.0
         self._closed = False
@@ -808,6 +812,9 @@ class ExpertCache:
                 await _off_loop(self._check, entry)  # xxhash releases the GIL while hashing
                 self._verify_seconds += time.perf_counter() - t0
                 self._verified.add(entry.key)
+            if self.transform is not None:
+                view = self.pool.view(entry.slot)[: entry.record.nbytes]
+                await _off_loop(self.transform, entry.record, view)
         except BaseException as exc:
             self._drop(entry, exc)
             if not isinstance(exc, Exception):

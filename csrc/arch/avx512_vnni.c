@@ -15,6 +15,10 @@
 #define MMQ_VNNI 1
 #define MMQ_FN clb_mmq_rows_avx512vnni
 #define MMQ_QUANT_FN clb_quantize_q8_0_avx512vnni
+#define MMQ_X16_FN clb_mmq_x16_rows_avx512vnni
+#define MMQ_X16_UNPACK_FN clb_x16_unpack_avx512vnni
+#define MMQ_X16_PACK_FN clb_x16_pack_avx512vnni
 #include "matmul_q8.inc"
 #define MMQ_MX_FN clb_mxfp4_rows_avx512vnni
+#define MMQ_MX_X16_FN clb_mxfp4_x16_rows_avx512vnni
 #include "matmul_mxfp4.inc"
