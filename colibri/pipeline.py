@@ -221,7 +221,9 @@ class Pipeline:
                 )
             pos0.append(kv.length)
         if self.prefetcher is not None:
-            self.prefetcher.new_token()
+            # its timing compares steps of one shape; prompt chunks are not timed
+            lens = tuple(len(t) for t, _ in batch)
+            self.prefetcher.new_token(lens if max(lens, default=0) <= PREV_ROWS_MAX else None)
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
         first = list(logits_from) + [0] * (len(batch) - len(logits_from))
         tgts = list(targets) + [None] * (len(batch) - len(targets))

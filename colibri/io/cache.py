@@ -555,6 +555,7 @@ class ExpertCache:
         keys = [(layer, int(expert)) for expert in experts]
         if self._deferred:  # guesses for this layer: demanded now, or wrong
             self._deferred = {k: None for k in self._deferred if k[0] != layer}
+        self._cancel_wrong_guesses(layer, set(keys))
         # first reserve what is cached or in flight, so a miss's slot (taken at once, below)
         # never evicts a record this same request wants
         for key in keys:
@@ -567,6 +568,23 @@ class ExpertCache:
                 entry = self._entry_for(key, DEMAND)
                 entry.refs += 1
                 entry.pending += 1
+
+    def _cancel_wrong_guesses(self, layer: int, wanted: set[Key]) -> None:
+        """Cancel the prefetch reads of `layer` that its request does not want and nobody
+        waits for: one still queued behind demand reads (reader.py) frees its slot now, one in
+        flight when its read ends (instead of staying until evicted as a READY record that
+        only a demand may evict)."""
+        for entry in list(self._entries.values()):
+            if (
+                entry.key[0] == layer
+                and entry.prefetched
+                and not entry.ready
+                and entry.refs == 0
+                and entry.task
+                and entry.key not in wanted
+            ):
+                entry.task.cancel()
+                self._n["prefetch_cancelled"] += 1
 
     def unrequest(self, layer: int, experts: Iterable[int]) -> None:
         """Drop reservations made by `request` that will not be consumed by a `get`."""
