@@ -535,6 +535,7 @@ class ExpertCache:
         # (min_slots) stays out of the prefetches' reach
         self._prefetch_slots = self.pool.num_slots - len(self.pinned) - min_slots
         self._prefetch_in_flight = 0
+        self._prefetching: dict[Key, _Entry] = {}  # prefetch loads not done, by key
         self.usage: collections.Counter[Key] = collections.Counter()
         self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
         self._n = collections.Counter()
@@ -573,8 +574,8 @@ class ExpertCache:
         """Cancel the prefetch reads of `layer` that its request does not want and nobody
         waits for: one still queued behind demand reads (reader.py) frees its slot now, one in
         flight when its read ends (instead of staying until evicted as a READY record that
-        only a demand may evict)."""
-        for entry in list(self._entries.values()):
+        only a demand may evict). O(prefetch loads not done)."""
+        for entry in list(self._prefetching.values()):
             if (
                 entry.key[0] == layer
                 and entry.prefetched
@@ -698,6 +699,7 @@ class ExpertCache:
         entry.prefetched = True
         self._entries[key] = entry
         self._prefetch_in_flight += 1
+        self._prefetching[key] = entry
         self._start_load(entry, PREFETCH)
         self._n["prefetch_issued"] += 1
         if self.observer is not None:
@@ -809,6 +811,8 @@ class ExpertCache:
     def _load_done(self, entry: _Entry, task: asyncio.Task) -> None:
         if entry.prefetched:
             self._prefetch_in_flight -= 1
+            if self._prefetching.get(entry.key) is entry:
+                del self._prefetching[entry.key]
             if self._deferred and not self._closed:
                 self._pump()  # a deferred guess may start now
         # A task cancelled before its first step never runs _load's body (nor its cleanup):
