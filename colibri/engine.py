@@ -205,6 +205,7 @@ class EngineStatistics:
     expert_hits / expert_misses: expert cache gets served from RAM / needing a read;
     bytes_read: bytes of expert records read; reads: records read; evictions;
     wait_io_seconds / compute_seconds: pipeline time awaiting records / in kernels;
+    head_seconds: of compute_seconds, the output head's (final norm and logits);
     verify_seconds: time hashing freshly read records;
     forward_steps: batched forward passes; prompt_tokens / generated_tokens: tokens prefilled
     and sampled by streams; prefix_hits: prompt tokens whose KV came from the prefix cache.
@@ -237,6 +238,7 @@ class EngineStatistics:
     cache_budget_nbytes: int
     prefix_nbytes: int
     dense_nbytes: int
+    head_seconds: float = 0.0
     cache: Any = None
     prefetch: Any = None
     reader: Any = None
@@ -251,6 +253,7 @@ class EngineStatistics:
         "evictions",
         "wait_io_seconds",
         "compute_seconds",
+        "head_seconds",
         "verify_seconds",
         "forward_steps",
         "prompt_tokens",
@@ -762,6 +765,7 @@ class Engine:
             cache_budget_nbytes=c["budget_nbytes"],
             prefix_nbytes=self.prefix_cache.nbytes if self.prefix_cache else 0,
             dense_nbytes=self.model.dense_nbytes,
+            head_seconds=t.head,
             cache=self.cache.statistics() if components else None,
             prefetch=self.prefetcher.statistics() if components and self.prefetcher else None,
             reader=self.reader.statistics() if components else None,

@@ -48,6 +48,7 @@ class StepTimes:
     """Seconds spent, summed over forward passes (for the per-token breakdown)."""
 
     compute: float = 0.0  # in kernels (executor)
+    head: float = 0.0  # of compute: the output head (final norm, logits or log-probabilities)
     wait_io: float = 0.0  # awaiting expert records that were not ready
     # with the routed experts elsewhere (cluster): seconds of this process's own work for a
     # MoE layer (shared expert / dense MLP) done while the owners' calls were out
@@ -233,7 +234,9 @@ class Pipeline:
                 )
             pos0.append(kv.length)
         if self.prefetcher is not None:
-            self.prefetcher.new_token()
+            # its timing compares steps of one shape; prompt chunks are not timed
+            lens = tuple(len(t) for t, _ in batch)
+            self.prefetcher.new_token(lens if max(lens, default=0) <= PREV_ROWS_MAX else None)
         want = list(all_logits) + [False] * (len(batch) - len(all_logits))
         first = list(logits_from) + [0] * (len(batch) - len(logits_from))
         tgts = list(targets) + [None] * (len(batch) - len(targets))
@@ -366,7 +369,10 @@ class Pipeline:
             else:
                 self._dense_layers(i, step.xs, step.kvs, step.pos0)
         fused = step.stacked is not None or (len(step.xs) > 1 and m.lm_head.row_invariant)
-        return self._logits(step.xs, step.want, step.first, fused, step.targets)
+        t0 = time.perf_counter()
+        out = self._logits(step.xs, step.want, step.first, fused, step.targets)
+        self.times.head += time.perf_counter() - t0
+        return out
 
     def _embed(self, tokens: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         """Per sequence the embeddings and the per-layer inputs (None: the model has none)."""

@@ -107,3 +107,28 @@ def test_scenario_interleaves_rounds_and_keeps_the_median_round(monkeypatch):
     assert rows[1]["x_one_client"] == pytest.approx(4 / 3)
     assert rows[2]["x_one_client"] == pytest.approx(8 / 3)
     assert rows[3]["x_one_client"] == pytest.approx(1 / 5)
+
+
+def test_add_bounds_is_the_slower_of_disk_and_cpu():
+    """Out-of-core colibri rows get min(disk / bytes per token, cores / CPU per token) and the
+    fraction reached; other rows (in RAM, the peer, rows without a figure) are left alone."""
+    from colibri.bench.sec_serve import add_bounds
+
+    rows = [
+        # disk: 4e9 / 40e6 = 100 tok/s; CPU: 2 cores / 10 ms = 200 tok/s -> disk, 100
+        {"scenario": "OLMoE shape, out of core 1/4: colibri", "clients": 4, "tok_s": 80.0,
+         "bytes_read_per_token": 40e6, "cpu_ms_per_token": 10.0},
+        # disk: 4e9 / 10e6 = 400; CPU: 2 / 25 ms = 80 -> CPU, 80
+        {"scenario": "OLMoE shape, out of core 3/4: colibri", "clients": 1, "tok_s": 40.0,
+         "bytes_read_per_token": 10e6, "cpu_ms_per_token": 25.0},
+        {"scenario": "OLMoE shape, in RAM: colibri", "clients": 1, "tok_s": 90.0,
+         "bytes_read_per_token": 0.0, "cpu_ms_per_token": 10.0},
+        {"scenario": "OLMoE shape, out of core 1/4: llama-server", "clients": 4, "tok_s": 9.0,
+         "bytes_read_per_token": None, "cpu_ms_per_token": 50.0},
+    ]  # fmt: skip
+    add_bounds(rows, 4.0, 2)
+    assert rows[0]["bound_tok_s"] == pytest.approx(100.0) and rows[0]["bound_by"] == "disk"
+    assert rows[0]["of_bound"] == pytest.approx(0.8)
+    assert rows[1]["bound_tok_s"] == pytest.approx(80.0) and rows[1]["bound_by"] == "CPU"
+    assert rows[1]["of_bound"] == pytest.approx(0.5)
+    assert "bound_tok_s" not in rows[2] and "bound_tok_s" not in rows[3]

@@ -675,3 +675,59 @@ async def test_prefetcher_keeps_next_token_guesses_and_orders_sources_by_their_r
     for key in list(reader.pending):
         reader.complete(key)
     await spin()
+
+
+async def test_request_cancels_its_layers_wrong_guesses_before_they_read():
+    """Guesses for a layer that its request does not want stop holding slots: one whose read
+    has not started is cancelled (never read) and its slot goes to the layer's miss."""
+    _store, pool, reader, cache = make(num_slots=3)
+    held = asyncio.create_task(cache.get(0, 1))  # one slot leased throughout
+    await spin()
+    reader.complete((0, 1))
+    lease = await held
+    assert cache.prefetch(1, [3, 4]) == 2  # the other slots: guesses, reads not started
+    cache.request(1, [3, 5])  # (1, 4) was wrong; (1, 5) misses and finds no free slot
+    await spin()
+    started = sorted(reader.started)
+    lease.release()  # (so that a failure below does not leave (1, 5) waiting for a slot)
+    assert started == [((0, 1), 0), ((1, 3), PREFETCH), ((1, 5), 0)]
+    for e in (3, 5):
+        reader.complete((1, e))
+        (await cache.get(1, e)).release()
+    assert not cache.contains(1, 4)
+    assert cache._n["prefetch_cancelled"] == 1
+    check_slots(cache, pool)
+
+
+async def test_prefetcher_times_steps_of_one_shape_and_not_prompt_chunks():
+    """Prompt chunks (shape None) take 20x a decode step and here fall in prefetch-on windows
+    only: not timed, they cannot make prefetch look slower. Decode steps of two shapes
+    alternate, the 2-sequence one slower: each is compared with its own kind, so prefetch
+    (same speed on and off) never backs off."""
+    *_, cache = make(num_slots=4)
+    t = [0.0]
+    pf = Prefetcher(
+        cache, window=2, probe_every=2, cooldown=1, min_read_precision=0.0, clock=lambda: t[0]
+    )
+    for i in range(48):  # each step: new_token(its shape) as it starts, then its time
+        if pf.enabled and i % 3 == 0:
+            pf.new_token(None)  # a prompt chunk
+            t[0] += 20.0
+        shape = (1,) if i % 2 else (1, 1)
+        pf.new_token(shape)
+        t[0] += 1.0 if shape == (1,) else 1.5
+    pf.new_token(None)
+    assert pf.statistics().backoffs == 0
+    # the same steps with the chunks timed as ordinary steps back off
+    t[0] = 0.0
+    pf2 = Prefetcher(
+        cache, window=2, probe_every=2, cooldown=1, min_read_precision=0.0, clock=lambda: t[0]
+    )
+    for i in range(48):
+        if pf2.enabled and i % 3 == 0:
+            pf2.new_token()
+            t[0] += 20.0
+        pf2.new_token()
+        t[0] += 1.0 if i % 2 else 1.5
+    pf2.new_token()
+    assert pf2.statistics().backoffs >= 1

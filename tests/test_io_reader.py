@@ -217,7 +217,7 @@ async def test_priority_gate_serves_demand_first():
     async def waiter(name, prio):
         await gate.acquire(prio)
         order.append(name)
-        gate.release()
+        gate.release(prio)
 
     tasks = [
         asyncio.create_task(waiter(n, p))
@@ -226,10 +226,42 @@ async def test_priority_gate_serves_demand_first():
     await asyncio.sleep(0)
     tasks[1].cancel()  # a cancelled waiter leaves the queue
     await asyncio.sleep(0)
-    gate.release()
+    gate.release(DEMAND)
     await asyncio.gather(*tasks, return_exceptions=True)
     assert order == ["d2", "p1", "p2"]
     assert gate.held == 0 and gate.queued == 0
+
+
+async def test_priority_gate_holds_prefetches_while_a_demand_read_is_in_flight():
+    """Room in the gate or not, a prefetch read starts only when no demand read holds it;
+    then every queued prefetch that fits starts at once, and demand reads never wait for
+    prefetches."""
+    gate = _PriorityGate(4)
+    await gate.acquire(DEMAND)
+    started = []
+
+    async def take(name, prio):
+        await gate.acquire(prio)
+        started.append(name)
+
+    prefetches = [asyncio.create_task(take(f"p{i}", PREFETCH)) for i in range(4)]
+    await asyncio.sleep(0)
+    assert started == [] and gate.held == 1 and gate.queued == 4
+    await take("d2", DEMAND)  # a demand read passes the queued prefetches
+    assert started == ["d2"] and gate.held == 2
+    gate.release(DEMAND)
+    await asyncio.sleep(0)
+    assert started == ["d2"]  # d2 is still in flight
+    gate.release(DEMAND)
+    await asyncio.gather(*prefetches)
+    assert started == ["d2", "p0", "p1", "p2", "p3"] and gate.held == 4
+    assert gate.demand_held == 0 and gate.queued == 0
+    demand = asyncio.create_task(take("d3", DEMAND))  # the gate is full: waits for a slot
+    await asyncio.sleep(0)
+    assert not demand.done()
+    gate.release(PREFETCH)
+    await demand
+    assert gate.held == 4 and gate.demand_held == 1
 
 
 def test_slab_pool_backing_leases_and_measured_memory():

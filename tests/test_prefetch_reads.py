@@ -6,6 +6,7 @@ twice and every prefetch wasted.) Also the same greedy tokens as with prefetch o
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import numpy as np
@@ -29,8 +30,9 @@ class _LoggingReader:
         return getattr(self._reader, name)
 
     async def read_into(self, record, slot, *, priority=0):
+        # logged once read: a prefetch cancelled while queued behind demand reads never reads
+        await self._reader.read_into(record, slot, priority=priority)
         self._log.append(("read", (record.layer, record.expert)))
-        return await self._reader.read_into(record, slot, priority=priority)
 
 
 async def _decode(store, ids, prefetch: bool, budget: int):
@@ -58,6 +60,10 @@ async def _decode(store, ids, prefetch: bool, budget: int):
             st = cache.statistics()
             started = st.reads + st.reads_in_flight - st0.reads - st0.reads_in_flight
             per_token.append((started, st.slot_waits - st0.slot_waits))
+        for _ in range(1000):  # the guesses still in flight land (and are logged)
+            if not cache.counts()["reads_in_flight"]:
+                break
+            await asyncio.sleep(0.01)
         issued = cache.statistics().prefetch_issued
     return out, log[start:], per_token, issued
 

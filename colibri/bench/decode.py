@@ -120,7 +120,8 @@ class Phase:
 
     tokens: tokens processed; seconds: wall time; wait_io / compute / verify: seconds summed
     over the phase (awaiting records not ready / in the compute thread / hashing records);
-    bytes_read: expert bytes read from disk (demand + prefetch); hits / misses: cache gets."""
+    bytes_read: expert bytes read from disk (demand + prefetch); hits / misses: cache gets;
+    head: of compute, the output head's seconds (no expert is read for it)."""
 
     tokens: int
     seconds: float
@@ -131,6 +132,7 @@ class Phase:
     reads: int
     hits: int
     misses: int
+    head: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -142,13 +144,15 @@ class Phase:
         return self.hits / gets if gets else 1.0
 
     def per_token(self) -> dict[str, float]:
-        """Seconds per token: total, compute, wait_io, other (= total - compute - wait_io:
-        Python, event loop, hashing, executor hand-offs), and bytes read per token."""
+        """Seconds per token: total, compute (head: its output head part), wait_io, other
+        (= total - compute - wait_io: Python, event loop, hashing, executor hand-offs), and
+        bytes read per token."""
         n = max(1, self.tokens)
         total, comp, wait = self.seconds / n, self.compute / n, self.wait_io / n
         return {
             "total": total,
             "compute": comp,
+            "head": self.head / n,
             "wait_io": wait,
             "other": max(0.0, total - comp - wait),
             "verify": self.verify / n,
@@ -200,6 +204,7 @@ def _phase(eng: Any, s0: Any, tokens: int, seconds: float) -> Phase:
         reads=d.reads,
         hits=d.expert_hits,
         misses=d.expert_misses,
+        head=d.head_seconds,
     )
 
 

@@ -2,7 +2,8 @@
 the same store with a budget of 1/2 and 1/3 of it (the store 2x / 3x bigger than the budget),
 cold and warm, each next to the storage and compute bounds measured in this run; plus a
 budget sweep down to one layer's top-k records, where nearly every expert misses and decode is
-storage-bound.
+storage-bound. The storage-bound scenario the target (issue 23: >= 90% of the storage bound)
+is held against is two layers' top-k (STORAGE_BOUND_LAYERS): _markdown says why.
 
 Store: tools/synth_store.py qwen3-30b-a3b with --layers N (real shapes, random blocks) under
 ctx.work; `colibri bench --decode-model deepseek-v4-flash` runs the same section on a store of
@@ -45,6 +46,16 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 SLACK = 2 << 30
+# the storage-bound scenario: a budget of this many layers' top-k records. One layer's top-k
+# leaves no slot to read into while that layer's experts wait or compute, so reads and
+# compute serialize by construction; a real user of a big model (a 1T model's cache holds
+# many layers' top-k and still hits little) has room to read the next layers meanwhile. On
+# the 4-layer synthetic store, whose random routers repeat most experts from token to token,
+# every layer's top-k (1/16 of the store) already hits 84%: two layers' top-k is the budget
+# that reads ahead (one layer computing, the next one's records landing) while still reading
+# nearly every record every token
+STORAGE_BOUND_LAYERS = 2
+TARGET_OF_STORAGE = 0.9  # issue 23
 QD_READER = 32  # EngineOptions.queue_depth's default: the reader's reads in flight
 
 
@@ -77,13 +88,20 @@ def _store(ctx: Context, layers: int) -> tuple[Path | None, str]:
 
 
 def _scenarios(total: int, rec: int, top_k: int) -> dict[str, int]:
-    """Scenario name -> expert budget in bytes."""
+    """Scenario name -> expert budget in bytes (the last two: one layer's top-k records, and
+    the storage-bound scenario's STORAGE_BOUND_LAYERS layers' top-k)."""
     return {
         "fits": total,
         "store 2x budget": total // 2,
         "store 3x budget": total // 3,
         f"{top_k} records": top_k * rec,
+        storage_bound_name(top_k): STORAGE_BOUND_LAYERS * top_k * rec,
     }
+
+
+def storage_bound_name(top_k: int) -> str:
+    """The storage-bound scenario's name."""
+    return f"{STORAGE_BOUND_LAYERS * top_k} records"
 
 
 def _med(runs: list[bench_decode.DecodeFigures], phase: str) -> dict[str, float]:
@@ -235,16 +253,27 @@ def run(ctx: Context) -> Section:
 
 
 def _headlines(points: dict[str, Any], top_k: int) -> list[Headline]:
-    sb = points[f"{top_k} records"]["warm"]["decode"]
+    sb = points[storage_bound_name(top_k)]["warm"]["decode"]
+    one = points[f"{top_k} records"]["warm"]["decode"]
     half = points["store 2x budget"]["cold"]["decode"]
     return [
         Headline(
-            f"decode, storage-bound (budget {top_k} records, hit rate {sb['hit_rate']:.0%})",
+            f"decode, storage-bound (budget {STORAGE_BOUND_LAYERS} layers' top-k = "
+            f"{storage_bound_name(top_k)}, hit rate {sb['hit_rate']:.0%})",
             "tok/s", sb["tok_s"], None, sb["bounds"]["storage"],
             "storage bound: disk GB/s / bytes read per token",
-            "≥ 80% of the storage bound",
+            f"≥ {TARGET_OF_STORAGE:.0%} of the storage bound",
             f"{sb['bytes'] / 2**20:.0f} MiB read per token; compute "
             f"{sb['compute'] * 1e3:.0f} ms + disk wait {sb['wait_io'] * 1e3:.0f} ms per token",
+        ),
+        Headline(
+            f"decode, budget of one layer's top-k ({top_k} records, hit rate "
+            f"{one['hit_rate']:.0%})",
+            "tok/s", one["tok_s"], None, one["bounds"]["storage"],
+            "storage bound: disk GB/s / bytes read per token", "",
+            "no slot to read into while a layer computes: reads and compute serialize; "
+            f"compute {one['compute'] * 1e3:.0f} ms + disk wait {one['wait_io'] * 1e3:.0f} ms "
+            "per token",
         ),
         Headline(
             f"decode, store 2x the budget (cold, hit rate {half['hit_rate']:.0%})",
@@ -326,9 +355,11 @@ def _markdown(d: dict[str, Any], budgets: dict[str, int]) -> str:
                  rows), ""]  # fmt: skip
     md += [
         "**Where the time goes** (decode, ms per token): compute = time in the compute thread "
-        "(kernels, plus the hand-off); disk wait = awaiting records that were not ready; other "
-        "= the rest (Python, event loop). Hashing (XXH3 of each record read, on the event loop) "
-        "overlaps these and is shown on its own. t_io = bytes read / disk bandwidth.",
+        "(kernels, plus the hand-off), of which output head = the final norm and the "
+        "vocabulary projection (no expert is read for it); disk wait = awaiting records that "
+        "were not ready; other = the rest (Python, event loop). Hashing (XXH3 of each record "
+        "read, on the event loop) overlaps these and is shown on its own. t_io = bytes read / "
+        "disk bandwidth.",
         "",
     ]
     rows = []
@@ -336,16 +367,19 @@ def _markdown(d: dict[str, Any], budgets: dict[str, int]) -> str:
         for pas in ("cold", "warm"):
             dd = p[pas]["decode"]
             b = dd["bounds"]
-            rows.append([name, pas, _ms(dd["total"]), _ms(dd["compute"]), _ms(dd["wait_io"]),
-                         _ms(dd["other"]), _ms(dd["verify"]), _ms(b["t_io"]),
+            rows.append([name, pas, _ms(dd["total"]), _ms(dd["compute"]),
+                         _ms(dd.get("head")), _ms(dd["wait_io"]), _ms(dd["other"]),
+                         _ms(dd["verify"]), _ms(b["t_io"]),
                          _ms(max(b["t_io"], b["t_compute"]))])  # fmt: skip
-    md += [table(["scenario", "pass", "total", "compute", "disk wait", "other", "hashing",
-                  "t_io (storage)", "least time max(t_io, t_c)"], rows), ""]  # fmt: skip
+    md += [table(["scenario", "pass", "total", "compute", "of it output head", "disk wait",
+                  "other", "hashing", "t_io (storage)", "least time max(t_io, t_c)"],
+                 rows), ""]  # fmt: skip
     big_hit = min(p[pas]["decode"]["hit_rate"] for p in pts.values() if p["fraction"] >= 0.33
                   for pas in ("cold", "warm"))  # fmt: skip
-    sb_name = next(n for n in budgets if n.endswith("records"))
-    sb = pts[sb_name]["warm"]["decode"]
-    b = sb["bounds"]
+    k = d["top_k"]
+    sb_name, one_name = storage_bound_name(k), f"{k} records"
+    sweep = [p for n, p in pts.items() if n.endswith("of the store")]
+    hits = max((p["warm"]["decode"]["hit_rate"] for p in sweep), default=None)
     md += [
         "Random synthetic weights route very repetitively (a few experts per layer take most "
         f"tokens): with a budget of 1/3 of the store or more, decode hits {_frac(big_hit)} or "
@@ -354,23 +388,47 @@ def _markdown(d: dict[str, Any], budgets: dict[str, int]) -> str:
         "decode storage-bound. Hit rate and bytes read per token are shown for every point so "
         "the bound each figure is held against is visible.",
         "",
-        f"Storage-bound point ({sb['misses'] / max(1, d['decode_tokens']):.0f} misses/token, "
-        f"hit rate {sb['hit_rate']:.0%}): colibri {fmt(sb['tok_s'])} tok/s = "
-        f"{_frac(sb['of_storage'])} of the storage bound {fmt(b['storage'])} tok/s "
-        f"(target ≥ 80%). Per token: {sb['total'] * 1e3:.0f} ms = compute "
-        f"{sb['compute'] * 1e3:.0f} ms + disk wait {sb['wait_io'] * 1e3:.0f} ms + other "
-        f"{sb['other'] * 1e3:.0f} ms, against t_io {b['t_io'] * 1e3:.0f} ms. "
-        + f"Reads: {sb['bytes'] / 2**20:.0f} MiB per token take t_io = {b['t_io'] * 1e3:.0f} ms "
-        f"at that rate; colibri waited {sb['wait_io'] * 1e3:.0f} ms for them, so about "
-        f"{max(0.0, b['t_io'] - sb['wait_io']) * 1e3:.0f} ms of reading overlapped compute "
-        "(a layer's experts are known only after its router ran; only the prefetcher's "
-        f"guesses, recall {_frac(d['points'][sb_name]['prefetch_recall'])}, and a layer's "
-        "early arrivals overlap). Compute took "
-        f"{sb['compute'] * 1e3:.0f} ms vs {b['t_compute'] * 1e3:.0f} ms in the fastest warm "
-        "fits run (likely because on 2 cores the kernels share the CPU with the reader's "
-        f"completions, XXH3 hashing of {sb['verify'] * 1e3:.0f} ms/token and other tenants).",
+        f"**Storage-bound scenario: {STORAGE_BOUND_LAYERS} layers' top-k ({sb_name}).** At "
+        f"one layer's top-k ({one_name}) every slot holds a record of the layer being "
+        "computed (being read, waiting for its kernel or under it), so the next layer's "
+        "reads can start only as this layer's experts finish: reads and compute add up by "
+        "construction, whatever the engine. A user running a big model out of core has a "
+        "cache many layers' top-k deep that still misses most records (each is reused only "
+        "after dozens of layers), which leaves slots to read the next layers while one "
+        "computes. On this store the random routers repeat most experts from token to "
+        "token, so a budget of every layer's top-k already hits most of them"
+        + (f" ({_frac(hits)} warm in the sweep)" if hits is not None else "")
+        + f": {STORAGE_BOUND_LAYERS} layers' top-k is the budget with room to read the next "
+        "layer while one computes that still reads nearly every record every token. "
+        f"Target: ≥ {TARGET_OF_STORAGE:.0%} of the storage bound (issue 23).",
         "",
-    ]  # fmt: skip
+    ]
+    for name in (sb_name, one_name):
+        sb = pts[name]["warm"]["decode"]
+        b = sb["bounds"]
+        head = sb.get("head") or 0.0
+        md += [
+            f"{name} ({sb['misses'] / max(1, d['decode_tokens']):.0f} demand misses/token, "
+            f"hit rate {sb['hit_rate']:.0%}, prefetched records that landed in time count as "
+            f"hits): colibri {fmt(sb['tok_s'])} tok/s = {_frac(sb['of_storage'])} of the "
+            f"storage bound {fmt(b['storage'])} tok/s. Per token: {sb['total'] * 1e3:.0f} ms = "
+            f"compute {sb['compute'] * 1e3:.0f} ms (of it the output head "
+            f"{head * 1e3:.0f} ms) + disk wait {sb['wait_io'] * 1e3:.0f} ms + other "
+            f"{sb['other'] * 1e3:.0f} ms. Reads: {sb['bytes'] / 2**20:.0f} MiB per token take "
+            f"t_io = {b['t_io'] * 1e3:.0f} ms at the disk's rate; colibri waited "
+            f"{sb['wait_io'] * 1e3:.0f} ms for them, so about "
+            f"{max(0.0, b['t_io'] - sb['wait_io']) * 1e3:.0f} ms of reading overlapped compute "
+            f"(prefetch recall {_frac(pts[name]['prefetch_recall'])}). To reach "
+            f"{TARGET_OF_STORAGE:.0%} a token may take {b['t_io'] / TARGET_OF_STORAGE * 1e3:.0f}"
+            f" ms, so the disk must be reading at its rate through {TARGET_OF_STORAGE:.0%} of "
+            "the token, output head included: the next token's records must be guessed (from this "
+            "token's choices) and read while the head runs, into slots the layers have let go. "
+            f"Compute took {sb['compute'] * 1e3:.0f} ms vs {b['t_compute'] * 1e3:.0f} ms in "
+            "the fastest warm fits run (on 2 cores the kernels share the CPU with the reader's "
+            f"completions, XXH3 hashing of {sb['verify'] * 1e3:.0f} ms/token and other "
+            "tenants, and the memory bus with the reads' DMA).",
+            "",
+        ]
     return "\n".join(md)
 
 

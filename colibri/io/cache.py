@@ -535,6 +535,7 @@ class ExpertCache:
         # (min_slots) stays out of the prefetches' reach
         self._prefetch_slots = self.pool.num_slots - len(self.pinned) - min_slots
         self._prefetch_in_flight = 0
+        self._prefetching: dict[Key, _Entry] = {}  # prefetch loads not done, by key
         self.usage: collections.Counter[Key] = collections.Counter()
         self.observer: Any = None  # the Prefetcher, told of demand accesses and waste
         # transform(record, bytes): the owner's rewrite of each freshly read (and verified)
@@ -559,6 +560,7 @@ class ExpertCache:
         keys = [(layer, int(expert)) for expert in experts]
         if self._deferred:  # guesses for this layer: demanded now, or wrong
             self._deferred = {k: None for k in self._deferred if k[0] != layer}
+        self._cancel_wrong_guesses(layer, set(keys))
         # first reserve what is cached or in flight, so a miss's slot (taken at once, below)
         # never evicts a record this same request wants
         for key in keys:
@@ -571,6 +573,23 @@ class ExpertCache:
                 entry = self._entry_for(key, DEMAND)
                 entry.refs += 1
                 entry.pending += 1
+
+    def _cancel_wrong_guesses(self, layer: int, wanted: set[Key]) -> None:
+        """Cancel the prefetch reads of `layer` that its request does not want and nobody
+        waits for: one still queued behind demand reads (reader.py) frees its slot now, one in
+        flight when its read ends (instead of staying until evicted as a READY record that
+        only a demand may evict). O(prefetch loads not done)."""
+        for entry in list(self._prefetching.values()):
+            if (
+                entry.key[0] == layer
+                and entry.prefetched
+                and not entry.ready
+                and entry.refs == 0
+                and entry.task
+                and entry.key not in wanted
+            ):
+                entry.task.cancel()
+                self._n["prefetch_cancelled"] += 1
 
     def unrequest(self, layer: int, experts: Iterable[int]) -> None:
         """Drop reservations made by `request` that will not be consumed by a `get`."""
@@ -684,6 +703,7 @@ class ExpertCache:
         entry.prefetched = True
         self._entries[key] = entry
         self._prefetch_in_flight += 1
+        self._prefetching[key] = entry
         self._start_load(entry, PREFETCH)
         self._n["prefetch_issued"] += 1
         if self.observer is not None:
@@ -795,6 +815,8 @@ class ExpertCache:
     def _load_done(self, entry: _Entry, task: asyncio.Task) -> None:
         if entry.prefetched:
             self._prefetch_in_flight -= 1
+            if self._prefetching.get(entry.key) is entry:
+                del self._prefetching[entry.key]
             if self._deferred and not self._closed:
                 self._pump()  # a deferred guess may start now
         # A task cancelled before its first step never runs _load's body (nor its cleanup):

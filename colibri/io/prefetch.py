@@ -21,7 +21,12 @@ about every demand access (`on_demand`) and every prefetched record evicted unus
   useful_reads / wasted_reads — issued reads later demanded / never demanded.
 Back-off: prefetch must not make things slower (on a saturated disk a wrong guess delays a
 demand read). Tokens are grouped in windows of `window` tokens, timed between `new_token`
-calls. Two checks, after each window:
+calls; a step's time counts only against steps of its own shape (`new_token(shape)`: the
+pipeline passes its sequences' token counts), and steps of shape None (prompt chunks) are not
+timed: a 32-token prompt chunk takes 10x a decode step, so a window holding one would decide
+the comparison alone (in `colibri serve`, where prompts arrive between decode steps, that
+backed prefetch off 3-4 times in 64 steps and left it off for most of them). Two checks,
+after each window:
   - precision: if under `min_read_precision` of the reads issued in the window were demanded;
   - time: every `probe_every` windows one window runs with prefetch off (a probe); if the mean
     token time with prefetch on (EMA over windows) exceeds that with it off by `margin`.
@@ -32,7 +37,7 @@ Either one pauses prefetch for `cooldown` windows (doubling on each back-off up 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from colibri.io.cache import ExpertCache, Key
@@ -87,8 +92,11 @@ class Prefetcher:
         self._mode = "on"  # this window: "on" | "probe" (off, measuring) | "paused"
         self._paused = 0  # windows left to pause
         self._on_windows = 0
-        self._ema: dict[str, float | None] = {"on": None, "off": None}
+        # (mode, step shape) -> mean step time (EMA over windows)
+        self._ema: dict[tuple[str, Hashable], float] = {}
         self._t_last: float | None = None
+        self._shape: Hashable = ()  # the shape of the step that started at _t_last
+        self._win_shape: Hashable = None  # the shape this window times (its first timed step's)
         self._predicted: set[Key] = set()  # this token
         self._carry: list[Key] = []  # guesses for the next token (predict_next_token)
         # guess sources: "router" (the next layer's router) and "repeat" (the previous
@@ -197,14 +205,21 @@ class Prefetcher:
         """Called by the cache when a prefetched record is evicted before any demand."""
         self._n["wasted_reads"] += 1
 
-    def new_token(self) -> None:
-        """A new token starts: cancel prefetch reads nobody waits for; at the end of a window,
-        judge it and switch mode as described in the module docstring."""
+    def new_token(self, shape: Hashable = ()) -> None:
+        """A new token (forward pass) starts: cancel prefetch reads nobody waits for; at the
+        end of a window, judge it and switch mode as described in the module docstring.
+        shape: what kind of step starts, any hashable (the pipeline passes its sequences'
+        token counts); a window times the steps of one shape (its first timed step's) and
+        is compared with windows of that shape; None: do not time this step (a prompt
+        chunk)."""
         now = self._clock()
-        if self._t_last is not None:
-            self._win_time += now - self._t_last
-            self._win_tokens += 1
-        self._t_last = now
+        if self._t_last is not None and self._shape is not None:
+            if self._win_shape is None:
+                self._win_shape = self._shape
+            if self._shape == self._win_shape:
+                self._win_time += now - self._t_last
+                self._win_tokens += 1
+        self._t_last, self._shape = now, shape
         carry, self._carry = self._carry, []
         self._n["cancelled"] += self.cache.cancel_prefetches(keep=carry)
         self._predicted.clear()
@@ -222,9 +237,10 @@ class Prefetcher:
         if self._win_tokens < self.window:
             return
         kind = "on" if self._mode == "on" else "off"
-        mean, old = self._win_time / self._win_tokens, self._ema[kind]
-        self._ema[kind] = mean if old is None else 0.5 * old + 0.5 * mean
-        on, off = self._ema["on"], self._ema["off"]
+        shape = self._win_shape
+        mean, old = self._win_time / self._win_tokens, self._ema.get((kind, shape))
+        self._ema[(kind, shape)] = mean if old is None else 0.5 * old + 0.5 * mean
+        on, off = self._ema.get(("on", shape)), self._ema.get(("off", shape))
         slower = on is not None and off is not None and on > off * (1 + self.margin)
         if self._mode == "on":
             if (
@@ -247,6 +263,7 @@ class Prefetcher:
                 self._mode = "on"
         self._win_issued = self._win_useful = self._win_tokens = 0
         self._win_time = 0.0
+        self._win_shape = None
 
     def _back_off(self) -> None:
         self._mode, self._paused = "paused", self._cooldown
