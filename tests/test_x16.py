@@ -155,8 +155,9 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
     """A tiny Mixtral whose shapes have the X16 layout: with every record resident the engine
     packs its experts, LM head and attention projections where the CPU has the kernel, and
     its logits over a prefill and 12 greedy steps are the bits of the same engine with packing
-    off (ops.x16_fast False: GGML rows everywhere), with every record resident or a cache of
-    one layer's top-k (records evicted and re-read)."""
+    off (ops.x16_fast False: GGML rows everywhere), with every record resident (the steps
+    after all are read run in one trip: Pipeline.resident) or a cache of one layer's top-k
+    (records evicted and re-read, a trip per layer)."""
     from colibri.convert import convert
     from colibri.engine import open_engine
     from colibri.io.format import open_store
@@ -172,10 +173,15 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
 
     async def run(budget: int) -> tuple[bool, bool, np.ndarray]:
         async with open_engine(store, budget=budget, activations="q8_0") as eng:
+            for r in s.records[::2]:  # half the records read before the prompt
+                (await eng.cache.get(r.layer, r.expert)).release()
             seq = eng.new_sequence()
             out = [await eng.forward(seq, ids)]
             for _ in range(12):
                 out.append(await eng.forward(seq, [int(np.argmax(out[-1]))]))
+            # every record fits: once all were read the steps run in one trip each
+            resident = eng.pipeline.times.resident_steps
+            assert (resident > 0) == (budget == everything), resident
             return eng.model.x16_experts, eng.model.lm_head.x16, np.stack(out)
 
     everything = len(s.records) * record
