@@ -150,10 +150,42 @@ def test_expert_ffn_group_x16_bit_equal(isa, qt, biases):
         ops.expert_ffn_group(np.empty((n, d_model), np.float32), x, packed, *args, x16=True)
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q8_0", "mxfp4"])
-async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, quant):
-    """A tiny Mixtral whose shapes have the X16 layout: with every record resident the engine
-    packs its experts, LM head and attention projections where the CPU has the kernel, and
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+def test_expert_ffn_x16_bit_equal(qt):
+    """ops.expert_ffn on X16-packed gate, up, down (the model's dense MLPs and shared experts)
+    gives its bits on GGML rows, 1 to 17 token rows, 1 and 2 threads; x16 is refused without
+    Q8_0 activations or for mixed types."""
+    rng = np.random.default_rng(8)
+    d_model, d_ff = 128, 192
+    g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))
+    d, _ = random_weights(rng, qt, d_model, d_ff)
+    pg, pu, pd = (ops.pack_x16(w, qt, c) for w, c in ((g, d_model), (u, d_model), (d, d_ff)))
+    x = rng.standard_normal((17, d_model)).astype(np.float32)
+    rw = rng.uniform(0.1, 1, 17).astype(np.float32)
+    for n in (1, 2, 3, 8, 9, 17):
+        for t in (1, 2):
+            kw = dict(row_weight=rw[:n], accumulate=False, act_q8=True, nthreads=t)
+            want = ops.expert_ffn(np.empty((n, d_model), np.float32), x[:n], g, u, d, qt,
+                                  d_model, d_ff, **kw)  # fmt: skip
+            got = ops.expert_ffn(np.full((n, d_model), np.nan, np.float32), x[:n], pg, pu, pd,
+                                 qt, d_model, d_ff, x16=True, **kw)  # fmt: skip
+            np.testing.assert_array_equal(got, want, err_msg=f"n={n} t={t}")
+    y = np.empty((1, d_model), np.float32)
+    with pytest.raises(KernelError):
+        ops.expert_ffn(y, x[:1], pg, pu, pd, qt, d_model, d_ff, x16=True)  # f32 activations
+    with pytest.raises(KernelError):
+        ops.expert_ffn(y, x[:1], pg, pu, pd, qt, d_model, d_ff, act_q8=True, x16=True,
+                       qtypes=(qt, qt, qt))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case,quant",
+    [("mixtral", "q4_0"), ("mixtral", "q8_0"), ("mixtral", "mxfp4"), ("qwen2_moe", "q8_0")],
+)
+async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, case, quant):
+    """A tiny Mixtral (and Qwen2-MoE, with shared experts) whose shapes have the X16 layout:
+    with every record resident the engine packs its experts, LM head, attention projections
+    and shared experts where the CPU has the kernels, and
     its logits over a prefill and 12 greedy steps are the bits of the same engine with packing
     off (ops.x16_fast False: GGML rows everywhere), with every record resident (the steps
     after all are read run in one trip: Pipeline.resident) or a cache of one layer's top-k
@@ -163,7 +195,9 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
     from colibri.io.format import open_store
     from tests import hf_models
 
-    model = hf_models.build("mixtral", seed=4, intermediate_size=128)
+    sizes = {"mixtral": dict(intermediate_size=128),  # qwen2_moe: a shared expert too
+             "qwen2_moe": dict(shared_expert_intermediate_size=128)}  # fmt: skip
+    model = hf_models.build(case, seed=4, **sizes[case])
     src = hf_models.save(model, tmp_path / "hf")
     store = tmp_path / "store"
     convert(src, store, quant=quant, dense_quant="q8_0")
@@ -182,6 +216,9 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
             # every record fits: once all were read the steps run in one trip each
             resident = eng.pipeline.times.resident_steps
             assert (resident > 0) == (budget == everything), resident
+            shared = [w["shared"] for w in eng.model.layers if "shared" in w]
+            assert bool(shared) == (case == "qwen2_moe")
+            assert all(lin.x16 == eng.model.lm_head.x16 for lins in shared for lin in lins)
             return eng.model.x16_experts, eng.model.lm_head.x16, np.stack(out)
 
     everything = len(s.records) * record
