@@ -216,6 +216,23 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
             # every record fits: once all were read the steps run in one trip each
             resident = eng.pipeline.times.resident_steps
             assert (resident > 0) == (budget == everything), resident
+            m = eng.model
+            if m.x16_experts:  # Model.expert_ffn (one expert, e.g. cluster owners) on packed
+                r = s.records[-1]  # records: the bits of the GGML record
+                lease = await eng.cache.get(r.layer, r.expert)
+                rows = np.array([0, 2, 3])
+                h = np.random.default_rng(1).standard_normal((4, m.spec.d_model), np.float32)
+                wts = np.array([0.5, 0.25, 1.0], np.float32)
+                got1 = m.expert_ffn(lease.buffer, h, rows, wts, layer=r.layer)
+                plain = lease.buffer.copy()
+                for name, qt, nr, cols in m._x16_shapes(r.layer):
+                    o, nb = m._experts.get(r.layer, m._experts[None])[0][name]
+                    v = plain[o : o + nb].reshape(nr, -1)
+                    ops.unpack_x16(v, qt, cols, out=v)
+                lease.release()
+                m.x16_experts = False
+                np.testing.assert_array_equal(got1, m.expert_ffn(plain, h, rows, wts, r.layer))
+                m.x16_experts = True
             shared = [w["shared"] for w in eng.model.layers if "shared" in w]
             assert bool(shared) == (case == "qwen2_moe")
             assert all(lin.x16 == eng.model.lm_head.x16 for lins in shared for lin in lins)
