@@ -382,6 +382,10 @@ class Engine:
             self.model.x16_experts = True
         self.prefetcher = self.io.prefetcher
         self.pipeline = Pipeline(self.model, self.cache, self.prefetcher)
+        # every record fits: once all are read, a forward pass is one trip (Pipeline.resident)
+        self.pipeline.resident = options.cluster is None and self.pool.num_slots >= len(
+            store.records
+        )
         self.cluster: Any = None
         if options.cluster is not None:
             try:

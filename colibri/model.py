@@ -480,10 +480,10 @@ class Model:
             )
 
     def _pack_x16(self) -> None:
-        """The decode layout (Linear.pack_x16) for the LM head and the projections of plain
-        attention layers (q, k, v fused or not, o), the dense weights every token streams from
-        memory; other Linears keep GGML rows (some are read as rows: MLA's kv_b, shared
-        experts)."""
+        """The decode layout (Linear.pack_x16) for the dense weights every token streams from
+        memory: the LM head, the projections of plain attention layers (q, k, v fused or not,
+        o) and dense MLPs / shared experts (gate, up, down together, _x16_ffn_ok); other
+        Linears keep GGML rows (some are read as rows: MLA's kv_b)."""
         self.lm_head.pack_x16()
         for spec, w in zip(self.spec.layers, self.layers, strict=True):
             a = spec.attention
@@ -501,6 +501,27 @@ class Model:
                     p.pack_x16()
             if isinstance(w.get("o"), Linear):
                 w["o"].pack_x16()
+        for w in self.layers:  # dense MLPs and shared experts: all three packed, or none
+            for kind in ("mlp", "shared"):
+                if kind in w and self._x16_ffn_ok(w[kind]):
+                    for lin in w[kind]:
+                        lin.pack_x16()
+
+    @staticmethod
+    def _x16_ffn_ok(lins: tuple[Linear, Linear, Linear]) -> bool:
+        """Whether a dense FFN's (gate, up, down) can run X16-packed (ops.expert_ffn x16):
+        one X16 type on Q8_0 activations, shapes with the layout, a CPU with the kernels."""
+        gate, up, down = lins
+        qt = gate.qtype
+        return (
+            ops.x16_fast()
+            and qt in ops.X16_TYPES
+            and all(lin.qtype == qt and lin.act_q8 and not lin.act_q8k for lin in lins)
+            and all(isinstance(lin.w, np.ndarray) and lin.w.dtype == np.uint8 for lin in lins)
+            and ops.x16_ok(qt, gate.rows, gate.cols)
+            and ops.x16_ok(qt, up.rows, up.cols)
+            and ops.x16_ok(qt, down.rows, down.cols)
+        )
 
     def _expert_plan(
         self, layout: ExpertLayout
@@ -1633,6 +1654,12 @@ class Model:
                     y, np.ascontiguousarray(h), gate.w, up.w, down.w, qts, self.spec.d_model,
                     gate.rows, act=act, limit=self.spec.moe.limit, accumulate=False,
                     nthreads=self.nthreads,
+                )  # fmt: skip
+            elif gate.x16 and up.x16 and down.x16:  # packed together (_pack_x16)
+                ops.expert_ffn(
+                    y, np.ascontiguousarray(h), gate.w, up.w, down.w, gate.qtype,
+                    self.spec.d_model, gate.rows, act=act, limit=self.spec.moe.limit,
+                    accumulate=False, act_q8=True, nthreads=self.nthreads, x16=True,
                 )  # fmt: skip
             else:
                 ops.expert_ffn(

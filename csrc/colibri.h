@@ -129,6 +129,15 @@ int clb_expert_ffn_mixed(int gate_qtype, int up_qtype, int down_qtype, float *y,
                          int act, float alpha, float limit, int accumulate, void *qscratch,
                          int nthreads);
 
+/* clb_expert_ffn on X16-packed gate, up, down (clb_pack_x16; Q8_0 activations: qscratch
+ * given, clb_x16_ok shapes, else CLB_EINVAL): the same bits as on GGML rows. */
+int clb_expert_ffn_x16(int qtype, float *y, float *scratch, const float *x,
+                       const void *gate, const void *up, const void *down,
+                       const float *gate_bias, const float *up_bias, const float *down_bias,
+                       const float *row_weight, int64_t n, int64_t d_model, int64_t d_ff,
+                       int act, float alpha, float limit, int accumulate, void *qscratch,
+                       int nthreads);
+
 /* Several experts of one layer in one call: expert e runs on rows [row_off[e], row_off[e+1])
  * of x and writes the same rows of y (y overwritten, never accumulated), exactly as
  * clb_expert_ffn_mixed (q8k = 0; qscratch as there) or clb_expert_ffn_q8k (q8k = 1; qscratch

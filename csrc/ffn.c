@@ -138,6 +138,16 @@ int clb_expert_ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch,
                      qscratch, 0, nthreads);
 }
 
+int clb_expert_ffn_x16(int qtype, float *y, float *scratch, const float *x, const void *gate,
+                       const void *up, const void *down, const float *gate_bias,
+                       const float *up_bias, const float *down_bias, const float *row_weight,
+                       int64_t n, int64_t d_model, int64_t d_ff, int act, float alpha,
+                       float limit, int accumulate, void *qscratch, int nthreads) {
+    return ffn_mixed(qtype, qtype, qtype, y, scratch, x, gate, up, down, gate_bias, up_bias,
+                     down_bias, row_weight, n, d_model, d_ff, act, alpha, limit, accumulate,
+                     qscratch, 1, nthreads);
+}
+
 /* x16: the three tensors are X16-packed (clb_pack_x16): Q8_0 activations, Q4_0 / Q8_0 with
  * clb_x16_ok shapes (else CLB_EINVAL); the same bits as on GGML rows. */
 static int ffn_mixed(int qt_g, int qt_u, int qt_d, float *y, float *scratch, const float *x,

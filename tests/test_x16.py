@@ -150,19 +150,54 @@ def test_expert_ffn_group_x16_bit_equal(isa, qt, biases):
         ops.expert_ffn_group(np.empty((n, d_model), np.float32), x, packed, *args, x16=True)
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q8_0", "mxfp4"])
-async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, quant):
-    """A tiny Mixtral whose shapes have the X16 layout: with every record resident the engine
-    packs its experts, LM head and attention projections where the CPU has the kernel, and
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda q: q.name)
+def test_expert_ffn_x16_bit_equal(qt):
+    """ops.expert_ffn on X16-packed gate, up, down (the model's dense MLPs and shared experts)
+    gives its bits on GGML rows, 1 to 17 token rows, 1 and 2 threads; x16 is refused without
+    Q8_0 activations or for mixed types."""
+    rng = np.random.default_rng(8)
+    d_model, d_ff = 128, 192
+    g, u = (random_weights(rng, qt, d_ff, d_model)[0] for _ in range(2))
+    d, _ = random_weights(rng, qt, d_model, d_ff)
+    pg, pu, pd = (ops.pack_x16(w, qt, c) for w, c in ((g, d_model), (u, d_model), (d, d_ff)))
+    x = rng.standard_normal((17, d_model)).astype(np.float32)
+    rw = rng.uniform(0.1, 1, 17).astype(np.float32)
+    for n in (1, 2, 3, 8, 9, 17):
+        for t in (1, 2):
+            kw = dict(row_weight=rw[:n], accumulate=False, act_q8=True, nthreads=t)
+            want = ops.expert_ffn(np.empty((n, d_model), np.float32), x[:n], g, u, d, qt,
+                                  d_model, d_ff, **kw)  # fmt: skip
+            got = ops.expert_ffn(np.full((n, d_model), np.nan, np.float32), x[:n], pg, pu, pd,
+                                 qt, d_model, d_ff, x16=True, **kw)  # fmt: skip
+            np.testing.assert_array_equal(got, want, err_msg=f"n={n} t={t}")
+    y = np.empty((1, d_model), np.float32)
+    with pytest.raises(KernelError):
+        ops.expert_ffn(y, x[:1], pg, pu, pd, qt, d_model, d_ff, x16=True)  # f32 activations
+    with pytest.raises(KernelError):
+        ops.expert_ffn(y, x[:1], pg, pu, pd, qt, d_model, d_ff, act_q8=True, x16=True,
+                       qtypes=(qt, qt, qt))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case,quant",
+    [("mixtral", "q4_0"), ("mixtral", "q8_0"), ("mixtral", "mxfp4"), ("qwen2_moe", "q8_0")],
+)
+async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch, case, quant):
+    """A tiny Mixtral (and Qwen2-MoE, with shared experts) whose shapes have the X16 layout:
+    with every record resident the engine packs its experts, LM head, attention projections
+    and shared experts where the CPU has the kernels, and
     its logits over a prefill and 12 greedy steps are the bits of the same engine with packing
-    off (ops.x16_fast False: GGML rows everywhere), with every record resident or a cache of
-    one layer's top-k (records evicted and re-read)."""
+    off (ops.x16_fast False: GGML rows everywhere), with every record resident (the steps
+    after all are read run in one trip: Pipeline.resident) or a cache of one layer's top-k
+    (records evicted and re-read, a trip per layer)."""
     from colibri.convert import convert
     from colibri.engine import open_engine
     from colibri.io.format import open_store
     from tests import hf_models
 
-    model = hf_models.build("mixtral", seed=4, intermediate_size=128)
+    sizes = {"mixtral": dict(intermediate_size=128),  # qwen2_moe: a shared expert too
+             "qwen2_moe": dict(shared_expert_intermediate_size=128)}  # fmt: skip
+    model = hf_models.build(case, seed=4, **sizes[case])
     src = hf_models.save(model, tmp_path / "hf")
     store = tmp_path / "store"
     convert(src, store, quant=quant, dense_quant="q8_0")
@@ -172,10 +207,35 @@ async def test_engine_resident_experts_packed_same_logits(tmp_path, monkeypatch,
 
     async def run(budget: int) -> tuple[bool, bool, np.ndarray]:
         async with open_engine(store, budget=budget, activations="q8_0") as eng:
+            for r in s.records[::2]:  # half the records read before the prompt
+                (await eng.cache.get(r.layer, r.expert)).release()
             seq = eng.new_sequence()
             out = [await eng.forward(seq, ids)]
             for _ in range(12):
                 out.append(await eng.forward(seq, [int(np.argmax(out[-1]))]))
+            # every record fits: once all were read the steps run in one trip each
+            resident = eng.pipeline.times.resident_steps
+            assert (resident > 0) == (budget == everything), resident
+            m = eng.model
+            if m.x16_experts:  # Model.expert_ffn (one expert, e.g. cluster owners) on packed
+                r = s.records[-1]  # records: the bits of the GGML record
+                lease = await eng.cache.get(r.layer, r.expert)
+                rows = np.array([0, 2, 3])
+                h = np.random.default_rng(1).standard_normal((4, m.spec.d_model), np.float32)
+                wts = np.array([0.5, 0.25, 1.0], np.float32)
+                got1 = m.expert_ffn(lease.buffer, h, rows, wts, layer=r.layer)
+                plain = lease.buffer.copy()
+                for name, qt, nr, cols in m._x16_shapes(r.layer):
+                    o, nb = m._experts.get(r.layer, m._experts[None])[0][name]
+                    v = plain[o : o + nb].reshape(nr, -1)
+                    ops.unpack_x16(v, qt, cols, out=v)
+                lease.release()
+                m.x16_experts = False
+                np.testing.assert_array_equal(got1, m.expert_ffn(plain, h, rows, wts, r.layer))
+                m.x16_experts = True
+            shared = [w["shared"] for w in eng.model.layers if "shared" in w]
+            assert bool(shared) == (case == "qwen2_moe")
+            assert all(lin.x16 == eng.model.lm_head.x16 for lins in shared for lin in lins)
             return eng.model.x16_experts, eng.model.lm_head.x16, np.stack(out)
 
     everything = len(s.records) * record

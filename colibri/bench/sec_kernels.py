@@ -46,12 +46,19 @@ def weight_mib(quick: bool) -> int:
     return 64 if quick else 128
 
 
+X16 = "q8_0 x16"  # the Q8_0 path on the X16 decode layout (ops.pack_x16, ops.matmul_q8_x16)
+
+
 def _acts(qt: ops.QType) -> tuple[str, ...]:
     """Activation paths timed for weight type qt: f32, q8_0 (ops.matmul_q8) where the type has
-    it, and q8_k (ops.matmul_q8k: the engine's default for K-quant experts) for Q8K_ACT_TYPES."""
+    it, q8_k (ops.matmul_q8k: the engine's default for K-quant experts) for Q8K_ACT_TYPES, and
+    X16 (the same Q8_0 dots on X16-packed weights: the engine's layout for resident experts,
+    the LM head and attention projections) for X16_TYPES where this CPU packs."""
     if qt not in ops.Q8_ACT_TYPES:
         return ("f32",)
-    return ("f32", "q8_0", "q8_k") if qt in ops.Q8K_ACT_TYPES else ("f32", "q8_0")
+    if qt in ops.Q8K_ACT_TYPES:
+        return ("f32", "q8_0", "q8_k")
+    return ("f32", "q8_0", X16) if qt in ops.X16_TYPES and ops.x16_fast() else ("f32", "q8_0")
 
 
 def _matmul_runner(
@@ -74,6 +81,9 @@ def _matmul_runner(
     elif act == "q8_k":
         xk = np.empty((n, COLS // 256 * ops.Q8K_BLOCK_NBYTES), np.uint8)
         call = lambda: ops.matmul_q8k(w, qt, ops.quantize_q8_k(x, xk), y, nthreads=t)  # noqa: E731
+    elif act == X16:  # w: the X16-packed weights
+        xq = np.empty((n, ops.row_nbytes(ops.QType.Q8_0, COLS)), np.uint8)
+        call = lambda: ops.matmul_q8_x16(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: E731
     else:
         xq = np.empty((n, ops.row_nbytes(ops.QType.Q8_0, COLS)), np.uint8)
         call = lambda: ops.matmul_q8(w, qt, ops.quantize_act(x, xq), y, nthreads=t)  # noqa: E731
@@ -241,14 +251,18 @@ def run(ctx: Context) -> Section:
     weights = {}
     for name in FORMATS:
         qt = ops.QType.parse(name)
-        nrows = (mib << 20) // ops.row_nbytes(qt, COLS)
+        nrows = (mib << 20) // ops.row_nbytes(qt, COLS) // 16 * 16  # whole X16 tiles
         weights[name] = bench_kernels.make_weights(qt, nrows, COLS, rng)
     points = [(f, a, n, t) for f in FORMATS for a in _acts(ops.QType.parse(f))
               for n in (1, BATCH) for t in threads]  # fmt: skip
+    packed = {f: ops.pack_x16(weights[f], ops.QType.parse(f), COLS)
+              for f, a, _, _ in points if a == X16}  # fmt: skip
     # weights an L3 could hold (480 MiB reported on some VMs) are evicted before each call
     evict = {f: bench_kernels.l3_evictor(w) for f, w in weights.items()}
-    runners = {p: _matmul_runner(weights[p[0]], ops.QType.parse(p[0]), p[2], p[1], p[3], rng,
-                                 evict[p[0]])
+    evict |= {(f, X16): bench_kernels.l3_evictor(w) for f, w in packed.items()}
+    runners = {p: _matmul_runner(packed[p[0]] if p[1] == X16 else weights[p[0]],
+                                 ops.QType.parse(p[0]), p[2], p[1], p[3], rng,
+                                 evict[(p[0], X16) if p[1] == X16 else p[0]])
                for p in points}  # fmt: skip
     cpu: dict[tuple, list[float]] = {p: [] for p in points}
 
@@ -283,7 +297,7 @@ def run(ctx: Context) -> Section:
     hot = np.ascontiguousarray(w4[: (1 << 20) // w4.shape[1]])
     s_hot = bench_kernels.best_time_cpu(_matmul_runner_call(hot, ops.QType.Q4_0, rng), 50)[0]
     hot_gbps = hot.nbytes / s_hot / 1e9
-    del weights
+    del weights, packed
 
     ffn_points = [(q, q8, t) for q in FFN_TYPES for q8 in (False, True) for t in threads]
     reps = 200 if ctx.quick else 500
@@ -305,7 +319,11 @@ def run(ctx: Context) -> Section:
             else "bigger than the L3); "
         )
         + "f32 activations, and Q8_0 activations with integer dots (`ops.matmul_q8`, quantization "
-        f"of x included; the engine's default). Time per point: best of {REPEAT} calls after "
+        "of x included; the engine's default); *q8_0 x16*: the same dots on the weights packed "
+        "into the X16 decode layout (`ops.pack_x16`, `ops.matmul_q8_x16`: 16-row tiles stored as "
+        "the matvec reads them, the same bits), the engine's layout for the LM head, attention "
+        "projections and experts that all stay resident. Time per point: "
+        f"best of {REPEAT} calls after "
         f"a warm-up, median over {rounds} interleaved rounds. *of mem* = weight GB/s / memory "
         "read GB/s (streaming SIMD read in C, same thread count, the higher of the limits "
         f"section's figure and a read interleaved with these runs: {fmt(mem_1t)} GB/s at 1 thread, "
@@ -367,7 +385,9 @@ def run(ctx: Context) -> Section:
     heads = [Headline(
         scenario="Q4_0 matvec", unit="GB/s", value=best["gbps"], limit=mem,
         limit_name=f"memory read, {ctx.threads} threads (SIMD read)", target="≥ 80%",
-        note=f"{mib} MiB weights, {best['act']} activations, {ctx.threads} threads",
+        note=f"{mib} MiB weights, "
+        + ("q8_0 activations, X16 layout" if best["act"] == X16 else f"{best['act']} activations")
+        + f", {ctx.threads} threads",
     )]  # fmt: skip
     data = {"weight_mib": mib, "cols": COLS, "mem_gbps": mem, "mem_gbps_1t": mem_1t,
             "q4_0_matvec_l2_gbps_1t": hot_gbps,

@@ -116,6 +116,10 @@ class ExpertOwner:
             store, budget, io=o.io, policy=o.policy, verify=o.verify, prefetch=o.prefetch,
             queue_depth=o.queue_depth,
         )  # fmt: skip
+        if self.stack.pool.num_slots >= len(store.records) and self.model.x16_experts_ok():
+            # every record of this shard stays resident: packed once read, as Engine does
+            self.stack.cache.transform = self.model.x16_record
+            self.model.x16_experts = True
 
     async def ffn(
         self, layer: int, parts: list[Part], predicted: tuple[int, list[int]] | None = None

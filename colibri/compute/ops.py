@@ -618,6 +618,7 @@ def expert_ffn(
     act_q8: bool = False,
     nthreads: int = 0,
     qtypes: tuple[QType | str | int, QType | str | int, QType | str | int] | None = None,
+    x16: bool = False,
 ) -> np.ndarray:
     """One routed expert on n token rows: out (+)= row_weight * down(act(gate x, up x)).
 
@@ -633,10 +634,13 @@ def expert_ffn(
     scratch is a per-thread buffer kept between calls). qtypes: (gate, up, down) storage types
     when they differ (a record of a mixed GGUF quant); `qtype` is then ignored. Returns out.
     act "silu_clamp" (DeepSeek-V4, HF DeepseekV4Experts): silu(min(g, limit)) *
-    clamp(u, -limit, limit).
+    clamp(u, -limit, limit). x16: gate, up, down are X16-packed (pack_x16; act_q8, one
+    X16_TYPES type, x16_ok shapes), the same bits.
     Raises KernelError on bad shapes, or act_q8 with a weight type outside Q8_ACT_TYPES.
     """
     if qtypes is not None:
+        if x16:
+            raise KernelError("expert_ffn: x16 takes one type for gate, up and down")
         return _expert_ffn_mixed(
             out, x, gate, up, down, tuple(QType.parse(q) for q in qtypes), d_model, d_ff,
             act=act, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
@@ -648,8 +652,12 @@ def expert_ffn(
         "expert_ffn", out, x, (gate, up, down), (qt, qt, qt), d_model, d_ff, act,
         (gate_bias, up_bias, down_bias), row_weight,
     )  # fmt: skip
+    if x16 and not (act_q8 and qt in X16_TYPES and x16_ok(qt, d_ff, d_model)
+                    and x16_ok(qt, d_model, d_ff)):  # fmt: skip
+        raise KernelError(f"expert_ffn: x16 needs act_q8, an X16_TYPES type and x16_ok shapes, "
+                          f"got {qt.name} d_model={d_model} d_ff={d_ff}")  # fmt: skip
     scratch, qs = _ffn_scratch(scratch, act_q8, (qt,), n, d_model, d_ff)
-    rc = lib.clb_expert_ffn(
+    rc = (lib.clb_expert_ffn_x16 if x16 else lib.clb_expert_ffn)(
         qt, _fp(out), _fp(scratch), _fp(x), ffi.from_buffer(gate), ffi.from_buffer(up),
         ffi.from_buffer(down), _fp(gate_bias), _fp(up_bias), _fp(down_bias), _fp(row_weight),
         n, d_model, d_ff, a, alpha, limit, bool(accumulate), qs, nthreads,

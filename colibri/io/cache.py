@@ -944,6 +944,11 @@ class ExpertCache:
             (ready if e.ready else reading).append(key)
         return ready, reading
 
+    @property
+    def num_entries(self) -> int:
+        """Records in the cache or being read into it."""
+        return len(self._entries)
+
     def contains(self, layer: int, expert: int) -> bool:
         """True when (layer, expert) is READY in the cache (a get would hit)."""
         entry = self._entries.get((layer, expert))
