@@ -147,3 +147,25 @@ async def test_a_dense_last_layer_runs_its_mlp_on_the_kept_rows(tmp_path, monkey
             np.testing.assert_array_equal(x, y)
     # per forward (split: per sequence where stacking is off, else the batch's rows at once)
     assert sum(n_full) == 24 + 10 + 10 + 3 + 64 + 5 and sum(rows) == 1 + 4 + 1 + 3 + 30 + 3
+
+
+@pytest.mark.parametrize("quant", ["fp8", "mxfp4", "q4_0"])
+async def test_other_expert_types_keep_the_bits(tmp_path, quant):
+    """FP8 (f32 dots on the Q8_0 values per 128-column block), MXFP4 and Q4_0 experts and
+    dense weights on Q8_0 activations: row-invariant, so the last layer keeps the kept rows
+    with the bits of every row; on f32 activations FP8 and MXFP4 have no row-invariant
+    path (F32_ROW_INVARIANT_QTYPES) and every row runs."""
+    src = hf_models.save(hf_models.build("qwen3_moe", seed=3), tmp_path / "hf")
+    convert(src, tmp_path / quant, quant=quant, dense_quant=quant)
+    for activations in ("q8_0", "f32"):
+        async with open_engine(tmp_path / quant, io="threads", activations=activations) as eng:
+            exact = eng.model.ffn_rows_exact(len(eng.spec.layers) - 1)
+            assert exact == (activations == "q8_0" or quant == "q4_0"), (quant, activations)
+            full = await _run(eng, skip=False)
+            kept = await _run(eng, skip=True)
+        for x, y in zip(full[0], kept[0], strict=True):
+            np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=f"{quant} {activations}")
+        for s_full, s_kept in zip(full[1], kept[1], strict=True):
+            for x, y in zip(s_full, s_kept, strict=True):
+                np.testing.assert_array_equal(x, y)
+        assert kept[2][0] == (1 if exact else 24)  # rows routed at the last layer, prefill
