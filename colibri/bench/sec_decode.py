@@ -418,7 +418,9 @@ def _markdown(d: dict[str, Any], budgets: dict[str, int]) -> str:
             f"t_io = {b['t_io'] * 1e3:.0f} ms at the disk's rate; colibri waited "
             f"{sb['wait_io'] * 1e3:.0f} ms for them, so about "
             f"{max(0.0, b['t_io'] - sb['wait_io']) * 1e3:.0f} ms of reading overlapped compute "
-            f"(prefetch recall {_frac(pts[name]['prefetch_recall'])}). To reach "
+            f"(the guesses' recall {_frac(pts[name]['prefetch_recall'])}"
+            + ("; at this budget no slot is left to read them into" if name == one_name else "")
+            + f"). To reach "
             f"{TARGET_OF_STORAGE:.0%} a token may take {b['t_io'] / TARGET_OF_STORAGE * 1e3:.0f}"
             f" ms, so the disk must be reading at its rate through {TARGET_OF_STORAGE:.0%} of "
             "the token, output head included: the next token's records must be guessed (from this "
