@@ -283,7 +283,9 @@ class Pipeline:
             and self.route_observer is None
             and await self._hold_all()
         ):  # every record held: the whole pass in one trip
-            state, records = await self._run(self._resident_step, [t for t, _ in batch], step)
+            state, keys = await self._run(self._resident_step, [t for t, _ in batch], step)
+            self.cache.count_hits(keys)
+            records = len(keys)
             for (tokens, kv), p in zip(batch, pos0, strict=True):
                 kv.length = p + len(tokens)
                 self._traced += len(tokens)
@@ -343,17 +345,20 @@ class Pipeline:
         if self._last_exact is None:
             self._last_exact = self.model.ffn_rows_exact(self._last)
         return starts if self._last_exact else None
-    def _resident_step(self, tokens: list[np.ndarray], step: _Step) -> tuple[Any, int]:
+
+    def _resident_step(
+        self, tokens: list[np.ndarray], step: _Step
+    ) -> tuple[Any, list[tuple[int, int]]]:
         """A whole forward pass on the compute thread with every record held (_held): _begin,
         then per MoE layer what _moe does when all its experts hit (one _expert_step with
         every expert, the residual sums, the next layer's head). Returns (what forward_batch
-        returns, expert records used)."""
+        returns, the (layer, expert) records used: the gets a layer-by-layer pass makes)."""
         state = self._begin(tokens, step)
-        records = 0
+        keys: list[tuple[int, int]] = []
         while isinstance(state, _Routed):
             i, routed = state.layer, state.routed
             experts = np.unique(np.concatenate([ids.ravel() for _, ids, _ in routed])).tolist()
-            records += len(experts)
+            keys += [(i, e) for e in experts]
             xs = self._ffn_targets(step, routed, state.mixes)
             slots = [np.zeros((*ids.shape, h.shape[1]), dtype=np.float32) for h, ids, _ in routed]
             batch = [(e, self._held[i, e]) for e in experts]
@@ -362,7 +367,7 @@ class Pipeline:
             )
             self.times.experts += len(batch)
             self.times.layers += 1
-        return state, records
+        return state, keys
 
     def _prefetch(
         self, i: int, predicted: tuple[int, list[int]] | None, experts: list[int], rows: int

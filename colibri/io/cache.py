@@ -599,6 +599,14 @@ class ExpertCache:
                 entry.pending -= 1
                 self._unref(entry)
 
+    def count_hits(self, keys: list[Key]) -> None:
+        """Count gets of `keys` that a caller served itself from leases it holds for good
+        (Pipeline.resident: every record held, a pass in one trip): hits in the statistics
+        and in the usage counts, as `get` would count them. The policy is not told: nothing
+        is evicted while everything is held."""
+        self._n["hits"] += len(keys)
+        self.usage.update(keys)
+
     async def get(self, layer: int, expert: int) -> Lease:
         """The record of (layer, expert), reading it on a miss.
 
