@@ -114,20 +114,26 @@ class Linear:
             out += self.bias
         return out
 
-    def pack_x16(self) -> bool:
-        """Replace W by its X16 layout (ops.pack_x16: the AVX-512 matvec's own order, one
-        sequential stream) on huge pages (ops.empty_huge) when this Linear runs on Q8_0
-        activations, its shape has the layout and this CPU has the kernel (ops.x16_fast);
-        results keep their bits. Only for Linears used through __call__ (W's bytes are no
-        longer GGML rows; views of the old W keep the old bytes). Returns whether it packed."""
+    def x16_packable(self) -> bool:
+        """Whether pack_x16 applies: this Linear runs on Q8_0 activations, its type and shape
+        have the X16 layout and this CPU has the kernel (ops.x16_fast)."""
         w = self.w
-        if not (self.act_q8 and not self.act_q8k and not self.x16 and ops.x16_fast()
+        return (self.act_q8 and not self.act_q8k and not self.x16 and ops.x16_fast()
                 and self.qtype in ops.X16_TYPES and ops.x16_ok(self.qtype, self.rows, self.cols)
                 and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2
-                and w.flags.c_contiguous):  # fmt: skip
+                and w.flags.c_contiguous)  # fmt: skip
+
+    def pack_x16(self, out: np.ndarray | None = None) -> bool:
+        """Replace W by its X16 layout (ops.pack_x16: the AVX-512 matvec's own order, one
+        sequential stream) in `out` (uint8, W's size; default a mapping of its own on huge
+        pages, ops.empty_huge) when x16_packable(); results keep their bits. Only for
+        Linears used through __call__ (W's bytes are no longer GGML rows; views of the old W
+        keep the old bytes). Returns whether it packed."""
+        if not self.x16_packable():
             return False
-        out = ops.empty_huge(w.nbytes).reshape(w.shape)  # (the old W goes: no second copy)
-        self.w = ops.pack_x16(w, self.qtype, self.cols, out=out)
+        w = self.w
+        out = ops.empty_huge(w.nbytes) if out is None else out
+        self.w = ops.pack_x16(w, self.qtype, self.cols, out=out.reshape(w.shape))
         self.x16 = True
         return True
 
@@ -483,29 +489,44 @@ class Model:
         """The decode layout (Linear.pack_x16) for the dense weights every token streams from
         memory: the LM head, the projections of plain attention layers (q, k, v fused or not,
         o) and dense MLPs / shared experts (gate, up, down together, _x16_ffn_ok); other
-        Linears keep GGML rows (some are read as rows: MLA's kv_b)."""
-        self.lm_head.pack_x16()
+        Linears keep GGML rows (some are read as rows: MLA's kv_b). All of them go into one
+        mapping on huge pages (ops.empty_huge), each at a 4 KiB boundary: a mapping each
+        would round every tensor up to whole 2 MiB pages (+18 MiB of RSS on the demo model)."""
+        todo: list[Linear] = [self.lm_head] if self.lm_head.x16_packable() else []
+        fused: list[tuple[dict[str, Any], list[Linear]]] = []  # layers whose qkv is packed
         for spec, w in zip(self.spec.layers, self.layers, strict=True):
             a = spec.attention
             if spec.linear_attn is not None or a.shared_kv is not None or a.mla is not None:
                 continue
             parts = [w[k] for k in ("q", "k", "v") if k in w]
             if "qkv" in w:  # the parts are views into it: pack it when they stay whole tiles
-                if all(p.rows % 16 == 0 for p in parts) and w["qkv"].pack_x16():
-                    r = 0
-                    for p in parts:  # views of the packed rows (whole tiles: packed too)
-                        p.w, p.x16 = w["qkv"].w[r : r + p.rows], True
-                        r += p.rows
+                if all(p.rows % 16 == 0 for p in parts) and w["qkv"].x16_packable():
+                    todo.append(w["qkv"])
+                    fused.append((w, parts))
             else:
-                for p in parts:
-                    p.pack_x16()
-            if isinstance(w.get("o"), Linear):
-                w["o"].pack_x16()
+                todo += [p for p in parts if p.x16_packable()]
+            if isinstance(w.get("o"), Linear) and w["o"].x16_packable():
+                todo.append(w["o"])
         for w in self.layers:  # dense MLPs and shared experts: all three packed, or none
             for kind in ("mlp", "shared"):
                 if kind in w and self._x16_ffn_ok(w[kind]):
-                    for lin in w[kind]:
-                        lin.pack_x16()
+                    todo += list(w[kind])
+        if not todo:
+            return
+        page = 4096
+        spans = [-(-lin.w.nbytes // page) * page for lin in todo]
+        arena, off = ops.empty_huge(sum(spans)), 0
+        for lin, span in zip(todo, spans, strict=True):
+            lin.pack_x16(out=arena[off : off + lin.w.nbytes])  # (the old W goes)
+            off += span
+        for w, parts in fused:  # q, k, v (and k + v: kv_rows) become views of the packed
+            qkv, r = w["qkv"], 0  # rows, whole tiles: packed too (the old rows can go)
+            for p in parts:
+                p.w, p.x16 = qkv.w[r : r + p.rows], True
+                r += p.rows
+            if "kv_rows" in w:
+                kv, nq = w["kv_rows"], parts[0].rows
+                kv.w, kv.x16 = qkv.w[nq : nq + kv.rows], True
 
     @staticmethod
     def _x16_ffn_ok(lins: tuple[Linear, Linear, Linear]) -> bool:
