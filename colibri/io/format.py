@@ -484,21 +484,20 @@ class Store:
             raise KeyError(f"{self.dense_path}: no dense tensor {name!r}")
         m, h = self._dense_meta[name], self._dense_header[name]
         begin, end = h["data_offsets"]
+        # read straight into the array that is returned (no bytes object and copy: a tensor
+        # costs its size once while it loads, not twice)
+        raw = np.empty(end - begin, dtype=np.uint8)
         with open(self.dense_path, "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), end - begin, self._dense_start + begin)
-        if len(raw) != end - begin:
+            got = os.preadv(f.fileno(), [raw], self._dense_start + begin) if len(raw) else 0
+        if got != end - begin:
             raise StoreError(f"{self.dense_path}: tensor {name!r} cut short")
         if verify:
             self._verify_dense(name, raw)
-        arr = np.frombuffer(raw, dtype=_ST_DTYPES[h["dtype"]]).reshape(h["shape"])
-        if not widen and h["dtype"] in ("BF16", "F16"):
-            arr = arr.copy()
-        elif h["dtype"] == "BF16":
+        arr = raw.view(_ST_DTYPES[h["dtype"]]).reshape(h["shape"])
+        if widen and h["dtype"] == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        elif h["dtype"] == "F16":
+        elif widen and h["dtype"] == "F16":
             arr = arr.astype(np.float32)
-        else:
-            arr = arr.copy()
         return arr, m["qtype"], tuple(m["shape"])
 
     @property
