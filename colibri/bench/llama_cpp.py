@@ -27,6 +27,7 @@ import re
 import secrets
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -317,13 +318,16 @@ def run_completion(
     if drop_cache:
         drop_file_cache(gguf)
     exe = [_exe("llama-cli", ik_bindir)] if ik_bindir else [_exe("llama-completion"), "-no-cnv"]
-    cmd = ["/usr/bin/time", "-v", *exe, "-m", str(gguf), "-p", prompt, "-n", str(n), "-t",
-           str(threads), "--temp", "0", "--ignore-eos", "-c", "4096", *(extra or [])]  # fmt: skip
+    cmd = ["/usr/bin/time", "-v", *exe, "-m", os.path.abspath(gguf), "-p", prompt, "-n", str(n),
+           "-t", str(threads), "--temp", "0", "--ignore-eos", "-c", "4096",
+           *(extra or [])]  # fmt: skip
     ctx = memory_cgroup(memory_limit) if memory_limit else contextlib.nullcontext(None)
     stats: dict[str, Any] = {}
-    with ctx as cg:
+    # in a directory of its own: ik_llama.cpp's llama-cli writes main.log where it runs
+    with ctx as cg, tempfile.TemporaryDirectory(prefix="colibri-peer-") as cwd:
         t0 = time.perf_counter()
-        res, timed_out = run_capped(cmd, time_limit, _join(cg["procs"]) if cg else None, stats)
+        res, timed_out = run_capped(cmd, time_limit, _join(cg["procs"]) if cg else None, stats,
+                                    cwd=cwd)  # fmt: skip
         wall = time.perf_counter() - t0
     perf = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in _PERF.findall(res.stderr)}
     rss = _RSS.search(res.stderr)
