@@ -272,3 +272,16 @@ def test_run_capped_counts_what_the_process_group_read_from_storage(tmp_path):
     res, timed_out = llama_cpp.run_capped([sys.executable, "-c", code], 30, stats=stats)
     assert not timed_out and res.returncode == 0
     assert stats["read_bytes"] >= 0.9 * (32 << 20)
+
+
+def test_run_capped_survives_output_that_is_not_utf8():
+    """A peer generating with random weights prints any bytes (half a UTF-8 character, 0xf3
+    alone): its output is kept with the bytes replaced, not a UnicodeDecodeError."""
+    import sys
+
+    from colibri.bench import llama_cpp
+
+    code = "import sys; sys.stdout.buffer.write(b'ok \\xf3 \\xe6\\x8b end')"
+    res, timed_out = llama_cpp.run_capped([sys.executable, "-c", code], 30)
+    assert not timed_out and res.returncode == 0
+    assert res.stdout == "ok \ufffd \ufffd end"

@@ -111,7 +111,8 @@ def run_capped(
     stats: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[subprocess.CompletedProcess, bool]:
-    """Run `cmd` (text output captured, stdin /dev/null) in a session of its own; past
+    """Run `cmd` (text output captured, bytes that are not UTF-8 replaced: a model with
+    random weights prints any bytes; stdin /dev/null) in a session of its own; past
     `time_limit` seconds of wall clock (None: no limit) its whole process group is ended,
     SIGTERM then SIGKILL after 5 s (a thrashing peer under a memory limit may not even get to
     handle the first), so no grandchild (e.g. llama.cpp under /usr/bin/time) outlives it.
@@ -120,7 +121,7 @@ def run_capped(
     Returns (the CompletedProcess with what it wrote, timed_out)."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        text=True, start_new_session=True, preexec_fn=preexec_fn, **kwargs,
+        text=True, errors="replace", start_new_session=True, preexec_fn=preexec_fn, **kwargs,
     )  # fmt: skip
     timed_out = False
     seen: dict[int, int] = {}
