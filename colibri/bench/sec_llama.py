@@ -342,6 +342,8 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = dict(budget=a.budget, threads=a.threads, n_ctx=a.n_ctx)
     if a.activations:
         opts["activations"] = a.activations
+    if a.kv:
+        opts["kv_dtype"] = a.kv
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     async with open_engine(a.store, **opts) as eng:
@@ -448,6 +450,7 @@ def child_main(argv: list[str]) -> int:
     )
     ap.add_argument("--warm", action="store_true", help="load every expert before timing")
     ap.add_argument("--activations", default="")
+    ap.add_argument("--kv", default="", help="KV cache dtype (f32, f16; default the engine's)")
     a = ap.parse_args(argv)
     print(json.dumps(asyncio.run(_child(a))), flush=True)
     return 0
@@ -595,15 +598,18 @@ def decode_at_depth(
         return r["tg_tok_s"]
 
     cname = f"colibri ({activations} activations)"
+    # the peers keep an f16 KV cache (llama-bench's default -ctk f16); colibri's default is
+    # f32 (exact against transformers), so it runs both ways: f16 is the same bytes as theirs
+    names = {"f32": f"{cname}, f32 KV", "f16": f"{cname}, f16 KV"}
 
-    def col() -> float:
+    def col(kv: str) -> float:
         args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads", str(ctx.threads),
                 "--n-ctx", str(depth + n_gen + 8), "--n-gen", str(n_gen), "--depth", str(depth),
-                "--warm", "--activations", activations]  # fmt: skip
+                "--warm", "--activations", activations, "--kv", kv]  # fmt: skip
         r = run_colibri(ctx, args)
         if r["returncode"]:
             raise RuntimeError(f"colibri child failed: {r['error']}")
-        raw.setdefault(cname, []).append(r)
+        raw.setdefault(names[kv], []).append(r)
         return r["tg_tok_s"]
 
     runs: dict[str, Any] = {"llama.cpp": lambda: peer("llama.cpp", [], None)}
@@ -611,35 +617,41 @@ def decode_at_depth(
         runs["ik_llama.cpp"] = lambda: peer("ik_llama.cpp", [], ik_dir)
         runs["ik_llama.cpp (-rtr 1)"] = lambda: peer("ik_llama.cpp (-rtr 1)", ["-rtr", "1"],
                                                      ik_dir)  # fmt: skip
-    runs[cname] = col
+    runs[names["f32"]] = lambda: col("f32")
+    runs[names["f16"]] = lambda: col("f16")
     ctx.log(f"decode at {depth} tokens of context: {store.name}, {ctx.rounds} rounds")
     interleave(runs, ctx.rounds, ctx.log)
     med = {name: median([r["tg_tok_s"] for r in rs]) for name, rs in raw.items()}
     peers = {n: v for n, v in med.items() if not n.startswith("colibri")}
     best = max(peers, key=lambda n: peers[n]) if peers else None
-    # KV bytes read per token at this depth, as each engine keeps them: colibri's f32 cache,
-    # the peers' f16 (llama-bench's default); the bound counts colibri's
-    kv = 2 * sf["layers"] * sf["kv_dim"] * depth * 4
-    nbytes = sf["active_bytes_per_token"] + kv
-    bound = mem_gbps * 1e9 / nbytes if mem_gbps else None
+    # KV bytes read per token at this depth: 2 (K and V) x layers x kv_dim x depth x 2 or 4
+    kv16 = 2 * sf["layers"] * sf["kv_dim"] * depth * 2
+    bounds = {n: mem_gbps * 1e9 / (sf["active_bytes_per_token"] + kv16 * (2 if "f32" in n else 1))
+              for n in med} if mem_gbps else {}  # fmt: skip
     rows = [[n, v, "—" if not best else f"{v / peers[best]:.2f}×",
-             "—" if not bound else f"{v / bound:.0%}"] for n, v in med.items()]  # fmt: skip
+             f"{v / bounds[n]:.0%}" if bounds else "—"] for n, v in med.items()]  # fmt: skip
+    head_name = names["f16"]
     md = [
         f"**Decode at {depth} tokens of context.** {n_gen} greedy tokens after a context of "
         f"{depth} tokens (untimed prefill), medians of {ctx.rounds} interleaved rounds: "
         f"llama.cpp `llama-bench -p 0 -n {n_gen} -d {depth}`, ik_llama.cpp `llama-bench -p 0 "
-        f"-n 0 -gp {depth},{n_gen}` (flash attention on, its default), colibri's child with "
-        f"`--depth {depth}` (f32 KV cache). The bound adds colibri's KV reads "
-        f"({kv / 1e6:.0f} MB a token) to the {sf['active_bytes_per_token'] / 1e6:.0f} MB of "
-        f"weights: {fmt(bound) if bound else '—'} tok/s at {fmt(mem_gbps)} GB/s.",
+        f"-n 0 -gp {depth},{n_gen}` (flash attention on, its default; both keep an f16 KV "
+        f"cache), colibri's child with `--depth {depth}` and an f32 KV cache (its default, "
+        f"exact against transformers) or an f16 one (`--kv f16`, the peers' bytes; the "
+        f"headline's figure). Each bound adds the KV reads ({kv16 / 1e6:.0f} MB a token in "
+        f"f16, twice that in f32) to the {sf['active_bytes_per_token'] / 1e6:.0f} MB of "
+        f"weights at {fmt(mem_gbps) if mem_gbps else '—'} GB/s.",
         "",
         table(["engine", f"decode tok/s at {depth}", "vs best peer", "of bound"], rows),
         "",
     ]
+    bound = bounds.get(head_name)
     head = Headline(f"Decode at {depth} tokens of context, model fits in RAM", "tok/s",
-                    med[cname], limit=bound, limit_name="memory bandwidth bound (weights + KV)",
-                    target="≥ 1.2× the best peer", note=f"{cname}; best peer: "
-                    f"{best or 'did not run'}", **split_peers(med, lambda v: v))  # fmt: skip
+                    med[head_name], limit=bound,
+                    limit_name="memory bandwidth bound (weights + f16 KV)",
+                    target="≥ 1.2× the best peer", note=f"{head_name} (as the peers); f32 KV "
+                    f"{fmt(med[names['f32']])}; best peer: {best or 'did not run'}",
+                    **split_peers(med, lambda v: v))  # fmt: skip
     return md, head, {"depth": depth, "runs": raw, "medians": med, "bound_tok_s": bound}
 
 
