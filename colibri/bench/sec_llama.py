@@ -391,6 +391,8 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
             logits = await eng.forward(seq, ids)
             out["n_prompt_decode"] = len(ids)
             out["prompt_s"] = time.perf_counter() - t1
+            if a.warm:  # one untimed step first, as llama-bench's warmup (test_gen of 1)
+                _, _, logits = await timed_greedy(eng, seq, logits, 1)
             c0, io0, comp0 = eng.cache.statistics(), eng.pipeline.times.wait_io, \
                 eng.pipeline.times.compute  # fmt: skip
             _, dt, logits = await timed_greedy(eng, seq, logits, a.n_gen)
@@ -860,7 +862,7 @@ def run(ctx: Context) -> Section:
             f"prefills of {', '.join(map(str, sizes))} random tokens (each from an empty "
             f"context after an untimed one of the same size, as llama-bench's warmup run; "
             f"median of 2 up to 512 tokens, one above; the f32 path the first size only) and "
-            f"{n_gen} greedy decode steps "
+            f"{n_gen} greedy decode steps (after an untimed one, as llama-bench's warmup) "
             f"separately. Medians of {ctx.rounds} interleaved rounds. The bound is "
             f"{sf['active_bytes_per_token'] / 1e6:.0f} MB of weights read per token (top-2 "
             f"experts per layer, all attention, the LM head) at {fmt(mem_gbps)} GB/s.",
