@@ -606,8 +606,9 @@ def decode_at_depth(
 
     def col(kv: str) -> float:
         args = [str(store), "--budget", str(sf["store_nbytes"]), "--threads", str(ctx.threads),
-                "--n-ctx", str(depth + n_gen + 8), "--n-gen", str(n_gen), "--depth", str(depth),
-                "--warm", "--activations", activations, "--kv", kv]  # fmt: skip
+                "--n-ctx", str(depth + 2 * n_gen + 8), "--n-gen", str(n_gen),
+                "--depth", str(depth), "--warm", "--activations", activations, "--kv", kv,
+                *(["--breakdown"] if kv == "f16" else [])]  # fmt: skip
         r = run_colibri(ctx, args)
         if r["returncode"]:
             raise RuntimeError(f"colibri child failed: {r['error']}")
@@ -647,6 +648,10 @@ def decode_at_depth(
         table(["engine", f"decode tok/s at {depth}", "vs best peer", "of bound"], rows),
         "",
     ]
+    split = raw[head_name][-1].get("decode_breakdown_s")
+    if split:  # where the time goes at this depth (the attention core grows with it)
+        md += [decode_breakdown(split, sf, mem_gbps, f"{head_name}, at {depth}, last round"),
+               ""]  # fmt: skip
     bound = bounds.get(head_name)
     head = Headline(f"Decode at {depth} tokens of context, model fits in RAM", "tok/s",
                     med[head_name], limit=bound,
