@@ -14,6 +14,7 @@ those it would get alone.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import copy
 import errno
@@ -21,6 +22,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager, contextmanager
@@ -579,16 +581,21 @@ class Engine:
             self.pipeline.set_tracer(*previous)
 
     def encode_prompt(
-        self, prompt: str | Seq[Mapping[str, Any]], **template_kwargs: Any
+        self,
+        prompt: str | Seq[Mapping[str, Any]],
+        *,
+        max_prompt_tokens: int | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a plain-text prompt (with the tokenizer's BOS handling) or of chat
         messages rendered with the model's chat template and a generation prompt.
-        Raises TokenizerError when the store has no tokenizer or no chat template."""
+        Raises TokenizerError when the store has no tokenizer or no chat template,
+        PromptTooLongError when the prompt has more than max_prompt_tokens tokens."""
         tok = self._tokenizer()
         if isinstance(prompt, str):
-            return tok.encode(prompt)
+            return tok.encode(prompt, max_tokens=max_prompt_tokens)
         text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=False, max_tokens=max_prompt_tokens)
 
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -816,6 +823,18 @@ async def open_engine(path: str | os.PathLike[str], **options: Any) -> AsyncIter
         await engine.aclose()
 
 
+_OPEN_SYNC_ENGINES: weakref.WeakSet[SyncEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sync_engines() -> None:
+    """At interpreter exit, close the SyncEngines a script left open (their loop thread is a
+    daemon: without this its tasks would be destroyed pending, with a warning each)."""
+    for engine in list(_OPEN_SYNC_ENGINES):
+        with contextlib.suppress(Exception):
+            engine.close()
+
+
 class SyncEngine:
     """A blocking wrapper for scripts and notebooks: the engine runs on an event loop in a
     background thread, so this works even where a loop is already running (Jupyter).
@@ -825,7 +844,8 @@ class SyncEngine:
             for token in engine.stream("Hello"):
                 print(token.text, end="")
 
-    Arguments and errors as open_engine() and Engine.stream().
+    Arguments and errors as open_engine() and Engine.stream(). An engine not closed (close(),
+    or the with block) is closed at interpreter exit.
     """
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
@@ -844,6 +864,7 @@ class SyncEngine:
             self._closing = self._closed = True
             self._release_loop()
             raise
+        _OPEN_SYNC_ENGINES.add(self)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -899,6 +920,7 @@ class SyncEngine:
             if self._closing:
                 return
             self._closing = True
+        _OPEN_SYNC_ENGINES.discard(self)
         try:
             self._call(self._cm.__aexit__(None, None, None))
         finally:

@@ -25,5 +25,13 @@ class TokenizerError(ColibriError):
     """Tokenizer or chat-template files are missing or invalid, or a template failed to render."""
 
 
+class PromptTooLongError(ColibriError, ValueError):
+    """A prompt has more tokens than allowed: n_tokens of at most max_tokens."""
+
+    def __init__(self, n_tokens: int, max_tokens: int) -> None:
+        super().__init__(f"the prompt has {n_tokens} tokens, more than {max_tokens}")
+        self.n_tokens, self.max_tokens = n_tokens, max_tokens
+
+
 class SamplingError(ColibriError, ValueError):
     """A sampling parameter is out of range or of the wrong type (names the field)."""

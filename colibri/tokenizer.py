@@ -37,7 +37,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
-from colibri.errors import TokenizerError
+from colibri.errors import PromptTooLongError, TokenizerError
 
 __all__ = ["IncrementalDecoder", "StopChecker", "Tokenizer", "check_utf8"]
 
@@ -245,7 +245,9 @@ class Tokenizer:
         """The token string of an id (its vocabulary form, e.g. 'Ġthe' or '▁the'), or None."""
         return self._backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
         """Token ids of `text`.
 
         With `add_special_tokens`, BOS/EOS are added by tokenizer.json's post-processor, as in
@@ -253,9 +255,16 @@ class Tokenizer:
         tokenizer.json exists. Special tokens written in the text (e.g. "<|im_start|>") are
         matched as single tokens, as transformers does by default. Chat prompts rendered by
         `apply_chat_template` already carry their BOS: encode them with add_special_tokens=False.
+        The tokenizer runs with the GIL released (tokenizers' encode_batch; its encode holds
+        it), so other threads run meanwhile (a server's event loop, when this runs in a worker
+        thread). Raises PromptTooLongError when the text has more than `max_tokens` tokens
+        (the id list of a long text is then never built).
         """
         check_utf8(text, "text to encode")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        enc = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise PromptTooLongError(len(enc), max_tokens)
+        return enc.ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` through tokenizer.json's decoder (byte fallback, "▁" to space, ...).

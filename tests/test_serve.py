@@ -56,6 +56,35 @@ def test_models_and_health(server, oai):
     assert server.health()["status"] == "ok"
 
 
+def test_a_huge_prompt_is_refused_while_the_server_keeps_serving(server, oai):
+    """A prompt of megabytes takes seconds to render and tokenize: that runs off the event
+    loop, so a small request sent after it is answered first; the big one gets the context
+    error (with its token count), and one past what a template may render gets it at once."""
+    big = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 150_000}]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+
+        def huge() -> tuple[str, float]:
+            with pytest.raises(openai.BadRequestError) as e:
+                oai.chat.completions.create(model=MODEL, messages=big, max_tokens=2)
+            return e.value.body, time.monotonic()
+
+        fut = pool.submit(huge)
+        time.sleep(0.5)  # the big request is being tokenized
+        small = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+        small_done = time.monotonic()
+        body, big_done = fut.result()
+    assert small.choices[0].message.content is not None
+    assert small_done < big_done
+    assert body["code"] == "context_length_exceeded" and body["param"] == "messages"
+    assert "tokens; this model's context length is" in body["message"], body
+    huge = [{"role": "user", "content": "x" * (1 << 24)}, {"role": "user", "content": "y"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=huge, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded", e.value.body
+    assert "more than 16777216 characters" in e.value.body["message"]
+    assert server.wait_idle()["leased"] == 0
+
+
 def test_unknown_paths_and_methods_get_the_api_error_body(server):
     for method, path, status in [("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405)]:
         r = httpx.request(method, server.url + path, timeout=30)

@@ -4,6 +4,8 @@ wrapper, seeds."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -108,3 +110,20 @@ def test_sync_wrapper(store):
         items = list(engine.stream("Hello there", max_tokens=5, temperature=0))
     assert "".join(t.text for t in items) == text
     assert items[-1].finish_reason == "length"
+
+
+def test_sync_engine_left_open_is_closed_at_exit(store):
+    """A script that never closes its SyncEngine (after the event loop of an asyncio.run) exits
+    cleanly: no "Task was destroyed but it is pending" from the scheduler's loop."""
+    script = (
+        "import asyncio, colibri\n"
+        "async def main():\n"
+        f"    async with colibri.open_engine({str(store)!r}, io='threads') as e:\n"
+        "        await e.generate('Hello', max_tokens=3)\n"
+        "asyncio.run(main())\n"
+        f"e = colibri.SyncEngine({str(store)!r}, io='threads')\n"
+        "print(len(e.generate('Hello there', max_tokens=4, temperature=0)) >= 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    assert "Task was destroyed" not in r.stderr and "Traceback" not in r.stderr, r.stderr

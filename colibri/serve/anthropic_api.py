@@ -152,7 +152,7 @@ async def messages(service: Service, request: Request, body: Any) -> Any:
     service.check_model(req.model)
     tools = openai_tools(req)
     kw = {"tools": tools} if tools else {}
-    ids = service.encode(chat_messages(req), **kw)
+    ids = await service.encode(chat_messages(req), **kw)
     sampling = req.sampling()
     service.check(req.max_tokens, sampling)
     parser = tool_parsing.parser_for(service.engine, tools)

@@ -160,7 +160,7 @@ async def completions(service: Service, request: Request, body: Any) -> Any:
                 param="prompt",
             )  # fmt: skip
         prompt = prompt[0]
-    ids = service.encode(prompt)
+    ids = await service.encode(prompt)
     sampling = req.sampling()
     if req.logprobs:
         sampling["logprobs"] = req.logprobs
@@ -331,7 +331,7 @@ async def chat_completions(service: Service, request: Request, body: Any) -> Any
     req = parse(ChatCompletionRequest, body)
     service.check_model(req.model)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    ids = service.encode(
+    ids = await service.encode(
         chat_messages(req), **template_kwargs(service, tools, req.chat_template_kwargs)
     )
     sampling = req.sampling()

@@ -16,10 +16,18 @@ from contextlib import aclosing
 from typing import Any
 
 from colibri.engine import Engine, Token
-from colibri.errors import ColibriError, ReadError, SamplingError, StoreError, TokenizerError
+from colibri.errors import (
+    ColibriError,
+    PromptTooLongError,
+    ReadError,
+    SamplingError,
+    StoreError,
+    TokenizerError,
+)
 from colibri.sampling import SamplingParams
 from colibri.serve.errors import APIError
 from colibri.serve.metrics import Metrics
+from colibri.tokenizer import TEMPLATE_MAX_CHARS
 
 
 class Admission:
@@ -89,32 +97,47 @@ class Service:
                 code="model_not_found",
             )
 
-    def encode(
+    async def encode(
         self, prompt: str | list[int] | list[Mapping[str, Any]], **template_kwargs: Any
     ) -> list[int]:
-        """Prompt token ids (text, ids, or chat messages through the model's template);
-        APIError 400 for a template or tokenizer failure or a prompt that leaves no room."""
+        """Prompt token ids (text, ids, or chat messages through the model's template),
+        rendered and tokenized in a worker thread: the event loop keeps serving the running
+        streams meanwhile (a prompt of megabytes takes seconds). APIError 400 for a template
+        or tokenizer failure or a prompt that leaves no room."""
         eng = self.engine
-        try:
-            if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-                ids = list(prompt)
-            else:
-                ids = eng.encode_prompt(prompt, **template_kwargs)
-        except TokenizerError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        ids_given = isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
+        param = "prompt" if isinstance(prompt, str) or ids_given else "messages"
+
+        def too_long(n: int, at_least: bool = False) -> APIError:
+            return APIError(
+                400,
+                f"the prompt has {'more than ' if at_least else ''}{n} "
+                f"{'characters' if at_least else 'tokens'}; this model's context length is "
+                f"{eng.n_ctx} tokens (at least one must remain for the completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+        if ids_given:
+            ids = list(prompt)
+        else:
+            if param == "messages" and _chars(prompt) > TEMPLATE_MAX_CHARS:  # see tokenizer.py
+                raise too_long(TEMPLATE_MAX_CHARS, at_least=True)
+            try:
+                ids = await asyncio.to_thread(
+                    eng.encode_prompt, prompt, max_prompt_tokens=eng.n_ctx - 1, **template_kwargs
+                )
+            except TokenizerError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            except PromptTooLongError as exc:
+                raise too_long(exc.n_tokens) from None
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         vocab = eng.spec.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if len(ids) >= eng.n_ctx:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens; this model's context length is "
-                f"{eng.n_ctx} tokens (at least one must remain for the completion)",
-                param="messages" if not isinstance(prompt, str) else "prompt",
-                code="context_length_exceeded",
-            )
+            raise too_long(len(ids))
         return ids
 
     def check(
@@ -183,3 +206,15 @@ class Service:
             m.prompt_tokens.inc(len(ids))
         finally:
             self.admission.release()
+
+
+def _chars(value: Any) -> int:
+    """Characters of every string in a prompt (text, or chat messages with their content
+    parts, tool calls and arguments)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_chars(v) for v in value)
+    return 0
