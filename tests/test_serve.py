@@ -389,6 +389,8 @@ def test_full_queue_429_and_body_limit():
             srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 5000}, timeout=10
         )
         assert big.status_code == 413 and "4096" in big.json()["error"]["message"]
+        counted = 'colibri_requests_total{endpoint="/v1/completions",status="413"} 1.0'
+        assert counted in httpx.get(srv.url + "/metrics", timeout=10).text
         assert srv.wait_idle()["running"] == 0
         ok = httpx.post(
             srv.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2},

@@ -35,10 +35,14 @@ DEFAULT_MAX_BODY = 32 << 20  # bytes of a request body (a /v1/batch file include
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over `max_bytes` (by Content-Length, or counted)."""
+    """ASGI middleware: 413 for a body over `max_bytes` (by Content-Length, or counted);
+    `rejected(path)` is called for each one answered by Content-Length alone (the counted
+    case reaches the app's own middleware)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: Any, max_bytes: int, rejected: Callable[[str], None] | None = None
+    ) -> None:
+        self.app, self.max_bytes, self.rejected = app, max_bytes, rejected
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -46,6 +50,8 @@ class BodyLimit:
         too_big = APIError(413, f"request body larger than {self.max_bytes} bytes")
         for k, v in scope.get("headers", ()):
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                if self.rejected is not None:
+                    self.rejected(scope["path"])
                 return await error_response(too_big, scope["path"])(scope, receive, send)
         seen = 0
 
@@ -215,5 +221,9 @@ def create_app(
 
     dashboard.install(app, service, atlas_trace)
     app.state.started = time.time()
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        rejected=lambda path: metrics.requests.labels(path, "413").inc(),
+    )
     return app
