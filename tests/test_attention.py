@@ -114,7 +114,11 @@ def test_prefill_equals_decode_steps(isa):
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize(("window", "sinks"), [(0, False), (45, True)])
-@pytest.mark.parametrize(("n_heads", "n_kv_heads", "dk"), [(8, 2, 64), (6, 1, 40), (3, 3, 24)])
+# groups of 4 query heads (one decode row: the in-place K/V micro-kernels on AVX-512), with
+# head sizes that are and are not multiples of the vector width, 6 and 1
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads", "dk"), [(8, 2, 64), (8, 2, 40), (32, 8, 128), (6, 1, 40), (3, 3, 24)]
+)
 def test_rows_identical_in_any_chunking(isa, kv_dtype, window, sinks, n_heads, n_kv_heads, dk):
     """A query row's output bits do not depend on which rows share its call (batch invariance
     over many 32-key blocks and tile shapes): one prefill of 150 rows, the same rows in chunks
