@@ -224,6 +224,9 @@ def test_anthropic_messages(server, engine):
     )
     assert r.content[0].text == expected and r.stop_reason == "max_tokens"
     assert r.usage.output_tokens == 9
+    ext = r.usage.model_extra["colibri"]  # the OpenAI endpoints' extension object
+    assert ext["expert_hits"] + ext["expert_reads"] > 0 and 0 <= ext["hit_rate"] <= 1
+    assert ext["ttft_seconds"] > 0 and ext["decode_tokens_per_second"] > 0
     with client.messages.stream(
         model=MODEL, max_tokens=9, messages=msgs, system="Be brief.", extra_body={"temperature": 0}
     ) as s:

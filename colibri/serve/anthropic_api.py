@@ -21,6 +21,7 @@ from colibri.engine import Token
 from colibri.serve import tools as tool_parsing
 from colibri.serve.errors import APIError
 from colibri.serve.openai_api import collect, raw_text, sse
+from colibri.serve.openai_api import usage as openai_usage
 from colibri.serve.protocol import MessagesRequest, parse
 from colibri.serve.service import Service
 
@@ -121,13 +122,8 @@ def _usage(last: Token) -> dict[str, Any]:
         "input_tokens": st.prompt_tokens if st else 0,
         "output_tokens": st.generated_tokens if st else 0,
     }
-    if st is not None:
-        u["colibri"] = {
-            "expert_hits": st.expert_hits,
-            "expert_reads": st.expert_misses,
-            "bytes_read": st.bytes_read,
-            "hit_rate": st.hit_rate,
-        }
+    if st is not None:  # the same extension object as the OpenAI endpoints'
+        u["colibri"] = openai_usage(st)["colibri"]
     return u
 
 
