@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -98,6 +99,26 @@ def test_round_trip(tmp_path):
     assert s.manifest["tokenizer_files"] == ["tokenizer.json"]
     with pytest.raises(KeyError):
         s.record(0, 0)
+
+
+def test_dense_tensor_read_in_pieces(tmp_path, monkeypatch):
+    """A read returns at most ~2 GiB (Linux), so a big dense tensor (a bf16 embedding of a
+    large vocabulary) arrives in several: here every read is cut to 1,000 bytes."""
+    import colibri.io.format as fmt
+
+    path, _records, dense = make_store(tmp_path / "s")
+    real = os.preadv
+    calls = []
+
+    def short_preadv(fd, buffers, offset):
+        calls.append(offset)
+        return real(fd, [memoryview(buffers[0]).cast("B")[:1000]], offset)
+
+    monkeypatch.setattr(fmt.os, "preadv", short_preadv)
+    s = open_store(path)
+    for name, want in dense.items():
+        np.testing.assert_array_equal(s.dense(name)[0], want)
+    assert len(calls) > len(dense)
 
 
 def test_gpt_oss_style_biases_layout():

@@ -486,11 +486,15 @@ class Store:
         begin, end = h["data_offsets"]
         # read straight into the array that is returned (no bytes object and copy: a tensor
         # costs its size once while it loads, not twice)
+        # (a read returns at most ~2 GiB, so a bigger tensor takes several)
         raw = np.empty(end - begin, dtype=np.uint8)
+        got = 0
         with open(self.dense_path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [raw], self._dense_start + begin) if len(raw) else 0
-        if got != end - begin:
-            raise StoreError(f"{self.dense_path}: tensor {name!r} cut short")
+            while got < len(raw):
+                n = os.preadv(f.fileno(), [raw[got:]], self._dense_start + begin + got)
+                if n == 0:
+                    raise StoreError(f"{self.dense_path}: tensor {name!r} cut short")
+                got += n
         if verify:
             self._verify_dense(name, raw)
         arr = raw.view(_ST_DTYPES[h["dtype"]]).reshape(h["shape"])
