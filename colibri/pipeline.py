@@ -633,18 +633,22 @@ class Pipeline:
         hits = [e for e in experts if self.cache.contains(i, e)]
         ready = [(e, await self.cache.get(i, e)) for e in hits]  # never suspends on a hit
 
+        started: set[int] = set()  # misses whose get ran (it takes request's reservation)
+
         async def fetch(e: int) -> tuple[int, Any]:
+            started.add(e)
             return e, await self.cache.get(i, e)
 
         tasks = [asyncio.ensure_future(fetch(e)) for e in experts if e not in hits]
-        if tasks:
-            # two loop iterations: the misses' load tasks prepare their reads, then the reader
-            # submits them, before the compute thread takes the CPU for the hits (on 2 busy
-            # cores the loop could otherwise wait for the whole trip before the disk starts)
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
         consumed: set[asyncio.Future] = set()
-        try:
+        try:  # from here a cancellation releases the hits' leases and the misses' reads
+            if tasks:
+                # two loop iterations: the misses' load tasks prepare their reads, then the
+                # reader submits them, before the compute thread takes the CPU for the hits (on
+                # 2 busy cores the loop could otherwise wait for the whole trip before the disk
+                # starts)
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
             pending = set(tasks)
             first = True
             while first or pending:
@@ -692,6 +696,8 @@ class Pipeline:
             for r in await asyncio.gather(*rest, return_exceptions=True):
                 if isinstance(r, tuple):
                     r[1].release()
+            # a task cancelled before it ran never took its reservation: drop it
+            self.cache.unrequest(i, [e for e in experts if e not in hits and e not in started])
 
     @staticmethod
     def _ffn_targets(

@@ -125,6 +125,36 @@ async def test_abandoned_and_waiting_streams_leave_nothing_behind():
         assert isinstance(out, str)
 
 
+async def test_a_forward_cancelled_as_its_misses_start_holds_no_lease(monkeypatch):
+    """A cancellation that lands in the loop iterations a MoE layer yields right after
+    starting its misses' reads (the stream closed at that moment) releases the hits' leases
+    and cancels the reads: none stays leased (it was a rare leak of top-k leases)."""
+    import sys
+
+    real_sleep = asyncio.sleep
+    cancelled = []
+
+    async def sleep(delay, *args, **kw):
+        if delay == 0 and sys._getframe(1).f_code.co_name == "_moe" and not cancelled:
+            cancelled.append(1)
+            raise asyncio.CancelledError
+        return await real_sleep(delay, *args, **kw)
+
+    async with open_engine(DEMO, io="threads", budget=8 * 196608, prefetch=False) as eng:
+        monkeypatch.setattr(asyncio, "sleep", sleep)
+        with pytest.raises(asyncio.CancelledError):
+            await eng.pipeline.forward(list(range(5, 40)), eng.new_sequence().kv)
+        monkeypatch.setattr(asyncio, "sleep", real_sleep)
+        assert cancelled  # the cancellation landed there
+        for _ in range(200):
+            st = eng.statistics()
+            if st.reads_in_flight == 0 and st.leased == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert st.reads_in_flight == 0 and st.leased == 0, st
+        assert isinstance(await eng.generate(PROMPTS[0], max_tokens=3, temperature=0), str)
+
+
 async def test_closing_the_engine_cancels_running_streams():
     async with open_engine(DEMO, io="threads") as eng:
         agen = eng.stream(PROMPTS[0], max_tokens=800, ignore_eos=True, temperature=0)
